@@ -1,0 +1,326 @@
+"""Mixed precision policies: which dtype parameters, compute and outputs use.
+
+A `Policy` is three dtypes and three casts. `get_policy` parses jmp's policy
+strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# Dtype names of the policy grammar, the first of each row is the short name
+# that `str(policy)` writes. "half" is not a row: it depends on the backend.
+_DTYPE_NAMES: tuple[tuple[Any, tuple[str, ...]], ...] = (
+    (jnp.float32, ("f32", "full", "float32")),
+    (jnp.bfloat16, ("bf16", "bfloat16")),
+    (jnp.float16, ("f16", "float16")),
+    (jnp.float64, ("f64", "float64")),
+)
+_NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES for name in names}
+_SHORT_NAME = {np.dtype(dt): names[0] for dt, names in _DTYPE_NAMES}
+
+_KEYS = {"p": "param", "params": "param",
+         "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+
+_VALID_KEYS = "params|p, compute|c, output|o"
+_VALID_DTYPES = "full|f32|float32, half, bf16|bfloat16, f16|float16, f64|float64"
+
+
+def is_float_array(x: Any) -> bool:
+  """Whether `x` is a numpy or JAX array (or tracer) with a floating dtype.
+
+  Python scalars, numpy scalars and non-floating arrays are not.
+
+  >>> import numpy as np
+  >>> is_float_array(np.ones(2)), is_float_array(np.ones(2, int)), is_float_array(1.)
+  (True, False, False)
+
+  See also: `Policy.cast_to_compute`, which casts exactly these leaves.
+  """
+  return (isinstance(x, (np.ndarray, jax.Array))
+          and jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def dtype_name(dtype: Any) -> str:
+  """The short policy-grammar name of a dtype ('f32', 'bf16', 'f16', 'f64').
+
+  Accepts numpy types, `np.dtype`s and jnp types alike. Dtypes the grammar
+  does not know are named by numpy (e.g. 'float8_e4m3fn').
+
+  >>> import jax.numpy as jnp, numpy as np
+  >>> dtype_name(jnp.bfloat16), dtype_name(np.dtype("float32"))
+  ('bf16', 'f32')
+
+  See also: `get_policy`, which reads these names back.
+  """
+  dt = np.dtype(dtype)
+  return _SHORT_NAME.get(dt, dt.name)
+
+
+def _cast_floating(tree: T, dtype: Any) -> T:
+  """Casts the floating array leaves of `tree` to `dtype`, keeps the rest."""
+  target = np.dtype(dtype)
+
+  def cast(x):
+    if is_float_array(x) and x.dtype != target:
+      return x.astype(target)  # numpy stays numpy, jax stays jax (as jmp).
+    return x
+
+  return jax.tree_util.tree_map(cast, tree)
+
+
+def _as_float_dtype(value: Any, field: str) -> np.dtype:
+  try:
+    dt = np.dtype(value)
+  except TypeError as e:
+    raise TypeError(f"Policy.{field} must be a dtype (e.g. jnp.bfloat16), "
+                    f"got {value!r}.") from e
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise ValueError(f"Policy.{field} must be a floating dtype, got {dt.name}.")
+  return dt
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Policy:
+  """Dtypes for parameters, computation and outputs, with casts to each.
+
+  The fields keep the dtype objects they were given (`jnp.bfloat16`,
+  `np.float16`, `np.dtype("float32")`, ...), as jmp does, so
+  `policy.compute_dtype == jnp.bfloat16` reads naturally. Equality and hash
+  compare the dtypes themselves: `Policy(np.float32, ...)` equals
+  `Policy(jnp.float32, ...)`. A `jmp.Policy` is a different type and never
+  equal; convert it with `get_policy`.
+
+  The casts touch only floating-point array leaves (numpy or JAX arrays);
+  ints, bools, integer arrays, Python scalars, None and other objects pass
+  through unchanged. A numpy leaf stays a numpy array, as in jmp.
+
+  >>> import jax.numpy as jnp
+  >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+  >>> str(policy)
+  'p=f32,c=bf16,o=f32'
+  >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
+  dtype(bfloat16)
+
+  See also: `get_policy`, `cast_to_full`, `cast_to_half`.
+  """
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      _as_float_dtype(getattr(self, field), field)
+
+  def _key(self) -> tuple[np.dtype, np.dtype, np.dtype]:
+    return (np.dtype(self.param_dtype), np.dtype(self.compute_dtype),
+            np.dtype(self.output_dtype))
+
+  def __eq__(self, other):
+    if not isinstance(other, Policy):
+      return NotImplemented
+    return self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __repr__(self):
+    p, c, o = (dt.name for dt in self._key())
+    return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o})"
+
+  def __str__(self):
+    p, c, o = (dtype_name(dt) for dt in self._key())
+    return f"p={p},c={c},o={o}"
+
+  def cast_to_param(self, tree: T) -> T:
+    """Casts the floating array leaves of `tree` to `param_dtype`.
+
+    >>> import jax.numpy as jnp
+    >>> get_policy("p=f16,c=f32").cast_to_param(jnp.ones(2)).dtype
+    dtype('float16')
+
+    See also: `Policy.cast_to_compute`, `Policy.cast_to_output`.
+    """
+    return _cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """Casts the floating array leaves of `tree` to `compute_dtype`.
+
+    >>> import jax.numpy as jnp
+    >>> get_policy("c=bf16").cast_to_compute((jnp.ones(2), 1.5))[1]
+    1.5
+
+    See also: `Policy.cast_to_param`, `Policy.cast_to_output`.
+    """
+    return _cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """Casts the floating array leaves of `tree` to `output_dtype`.
+
+    >>> import jax.numpy as jnp
+    >>> get_policy("c=bf16,o=f32").cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype
+    dtype('float32')
+
+    See also: `Policy.cast_to_param`, `Policy.cast_to_compute`.
+    """
+    return _cast_floating(tree, self.output_dtype)
+
+  def with_output_dtype(self, output_dtype: Any) -> Policy:
+    """A copy of this policy with another `output_dtype`.
+
+    >>> import jax.numpy as jnp
+    >>> str(get_policy("c=bf16").with_output_dtype(jnp.float32))
+    'p=f32,c=bf16,o=f32'
+
+    See also: `dataclasses.replace` for the other fields.
+    """
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+
+def half_dtype() -> Any:
+  """The half precision dtype for the default backend.
+
+  bfloat16 on TPU, on CPU and on GPUs with bfloat16 support (NVIDIA compute
+  capability 8.0 or newer); float16 on older GPUs and unknown backends.
+  Unlike jmp, which returns float16 everywhere but TPU, CPUs and Ampere+ GPUs
+  get bfloat16: it has float32's range, so it needs no loss scaling.
+
+  >>> import jax, jax.numpy as jnp
+  >>> half_dtype() == jnp.bfloat16 or jax.default_backend() == "gpu"
+  True
+
+  See also: `cast_to_half`, `get_policy("half")`.
+  """
+  device = jax.local_devices()[0]
+  if device.platform in ("tpu", "cpu"):
+    return jnp.bfloat16
+  if device.platform in ("gpu", "cuda"):
+    capability = getattr(device, "compute_capability", None)
+    try:
+      major = int(str(capability).split(".")[0])
+    except ValueError:
+      return jnp.float16
+    return jnp.bfloat16 if major >= 8 else jnp.float16
+  return jnp.float16
+
+
+def cast_to_full(tree: T) -> T:
+  """Casts the floating array leaves of `tree` to float32.
+
+  >>> import jax.numpy as jnp
+  >>> cast_to_full({"h": jnp.ones(2, jnp.bfloat16), "i": 1})["h"].dtype
+  dtype('float32')
+
+  See also: `cast_to_half`, `Policy.cast_to_param`.
+  """
+  return _cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+  """Casts the floating array leaves of `tree` to `half_dtype()`.
+
+  >>> import jax.numpy as jnp
+  >>> cast_to_half(jnp.ones(2)).dtype == half_dtype()
+  True
+
+  See also: `cast_to_full`, `half_dtype`.
+  """
+  return _cast_floating(tree, half_dtype())
+
+
+def _parse_dtype(name: str, part: str, spec: str) -> Any:
+  if name == "half":
+    return half_dtype()
+  try:
+    return _NAME_TO_DTYPE[name]
+  except KeyError:
+    raise ValueError(
+        f"Unknown dtype {name!r} in part {part!r} of policy {spec!r}. "
+        f"Valid dtype names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}."
+    ) from None
+
+
+def _from_jmp(spec: Any) -> Policy | None:
+  jmp = sys.modules.get("jmp")  # Only a jmp that is imported can have made it.
+  jmp_policy = getattr(jmp, "Policy", None)
+  if jmp_policy is not None and isinstance(spec, jmp_policy):
+    return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+  return None
+
+
+def get_policy(spec: str | Policy | Any) -> Policy:
+  """Parses a policy string in jmp's grammar; passes policies through.
+
+  The string is comma-separated `key=dtype` parts, keys `params|p`,
+  `compute|c`, `output|o`, dtype names `full|f32|float32`, `half`
+  (= `half_dtype()`), `bf16|bfloat16`, `f16|float16`, `f64|float64`; or a
+  single dtype name for all three. Unset parts default as in jmp: params
+  float32, compute follows params, output follows compute. Spaces around
+  parts, keys and names are ignored; names are case-sensitive.
+
+  Unlike jmp, a key given twice (`"p=f16,params=f32"`) is an error rather
+  than silently taking the last value.
+
+  >>> str(get_policy("c=bf16"))
+  'p=f32,c=bf16,o=bf16'
+  >>> str(get_policy("params=float32, compute=f16, output=full"))
+  'p=f32,c=f16,o=f32'
+
+  Args:
+    spec: a policy string, a `Policy` (returned as is) or a `jmp.Policy`
+      (converted).
+
+  Returns:
+    The `Policy`.
+
+  Raises:
+    ValueError: for a malformed string; the message quotes the bad part and
+      lists the valid keys and dtype names.
+    TypeError: for anything that is not a string or a policy.
+
+  See also: `Policy.__str__`, which writes strings this reads.
+  """
+  if isinstance(spec, Policy):
+    return spec
+  converted = _from_jmp(spec)
+  if converted is not None:
+    return converted
+  if not isinstance(spec, str):
+    raise TypeError("get_policy expects a policy string, an mpolicy.Policy or "
+                    f"a jmp.Policy, got {type(spec).__name__}: {spec!r}.")
+
+  if "=" not in spec:
+    name = spec.strip()
+    dtype = _parse_dtype(name, name, spec)
+    return Policy(dtype, dtype, dtype)
+
+  chosen = {}
+  for raw_part in spec.split(","):
+    part = raw_part.strip()
+    pieces = part.split("=")
+    key = pieces[0].strip()
+    if len(pieces) != 2 or key not in _KEYS:
+      what = "Unknown key" if len(pieces) == 2 else "Malformed part"
+      raise ValueError(
+          f"{what} {part!r} in policy {spec!r}: expected 'key=dtype' with "
+          f"key one of {_VALID_KEYS} and dtype one of {_VALID_DTYPES}.")
+    field = _KEYS[key]
+    if field in chosen:
+      raise ValueError(
+          f"Duplicate key in part {part!r} of policy {spec!r}: the "
+          f"{field} dtype is already set. Valid keys: {_VALID_KEYS}.")
+    chosen[field] = _parse_dtype(pieces[1].strip(), part, spec)
+
+  param = chosen.get("param", jnp.float32)
+  compute = chosen.get("compute", param)
+  output = chosen.get("output", compute)
+  return Policy(param, compute, output)
