@@ -1,0 +1,1 @@
+"""Private implementation of mpolicy. Import from `mpolicy`, not from here."""

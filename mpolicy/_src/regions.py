@@ -1,0 +1,87 @@
+"""Region tags: how the Haiku bridge tells the interpreter who governs what.
+
+When a governed Haiku module method runs (or a `full_precision()` block is
+entered), the code inside is traced under a `jax.named_scope` whose name is a
+short marker such as ``mpolicy:3``. The marker stands for a `Region`: the
+policy in force there, and which registry entry decided it. JAX records the
+name stack on every equation, so the interpreter can read each equation's
+region back from the jaxpr, and `explain` can say why.
+
+Markers are interned: the same region always gets the same marker, so traces
+stay deterministic and the table only grows with distinct regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+import dataclasses
+import threading
+from typing import Optional
+
+import jax
+
+from mpolicy._src import policy as policy_lib
+
+MARKER_PREFIX = "mpolicy:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """What governs a traced region.
+
+  Attributes:
+    policy: the policy in force, or ``None`` in a `full_precision()` block.
+    decided_by: the registry entry or rule that chose it, in words, e.g.
+      ``"class hk.BatchNorm"`` or ``"pattern 'encoder/*'"``.
+    module_name: the Haiku module whose call this is, if any.
+    module_class: that module's class name, if any.
+    inherited: ``True`` when the policy comes from an enclosing module call or
+      named scope (API §3 rule 3) rather than from an entry of its own.
+    full_precision: ``True`` inside `full_precision()`: the rules are off.
+  """
+  policy: Optional[policy_lib.Policy]
+  decided_by: str
+  module_name: Optional[str] = None
+  module_class: Optional[str] = None
+  inherited: bool = False
+  full_precision: bool = False
+
+
+FULL_PRECISION = Region(policy=None, decided_by="full_precision()",
+                        full_precision=True)
+
+_lock = threading.Lock()
+_marker_of: dict[Region, str] = {}
+_region_of: dict[str, Region] = {}
+
+
+def marker_for(region: Region) -> str:
+  """The scope name that stands for ``region`` (interned)."""
+  with _lock:
+    marker = _marker_of.get(region)
+    if marker is None:
+      marker = f"{MARKER_PREFIX}{len(_marker_of)}"
+      _marker_of[region] = marker
+      _region_of[marker] = region
+    return marker
+
+
+def region_of_marker(name: str) -> Optional[Region]:
+  """The region a scope name stands for, or ``None`` for ordinary scopes."""
+  if not name.startswith(MARKER_PREFIX):
+    return None
+  with _lock:
+    return _region_of.get(name)
+
+
+@contextlib.contextmanager
+def tagged(region: Region) -> Iterator[None]:
+  """Traces the body under the marker of ``region``."""
+  with jax.named_scope(marker_for(region)):
+    yield
+
+
+def plain_scope_names(names: tuple[str, ...]) -> tuple[str, ...]:
+  """The scope names with mpolicy's markers removed (what users named)."""
+  return tuple(n for n in names if not n.startswith(MARKER_PREFIX))

@@ -1,0 +1,4 @@
+"""Setup shim: all metadata lives in setup.cfg."""
+import setuptools
+
+setuptools.setup()
