@@ -1,0 +1,711 @@
+"""Training helpers for mixed precision with optax.
+
+Small pieces that compose:
+
+* `scaled_value_and_grad`: one call for scale -> grad -> unscale ->
+  finiteness check (all-reduced across devices when given an `axis_name`)
+  -> loss scale adjustment.
+* `skip_nonfinite`: an optax transformation that leaves the inner optimizer
+  state exactly as it was and returns updates that leave params exactly as
+  they were, when gradients are not finite. `update_if_finite` does the same
+  for any optimizer by selecting the old params and state.
+* `master_weights`: params live in a half dtype for compute; the
+  transformation keeps a float32 master copy in its state.
+* `keep_dtypes`: optimizer state and updates keep their dtypes from step to
+  step, so a jitted step compiles once.
+* `make_train_step`: all of the above in one step function.
+* `nonfinite_flags` / `nonfinite_paths`: which gradient leaves overflowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpolicy._src import loss_scale as loss_scale_lib
+
+PyTree = Any
+LossScale = loss_scale_lib.LossScale
+
+
+# --- Small utilities ---------------------------------------------------------
+
+
+def _is_floating(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _cast_floating(tree: PyTree, dtype: Any) -> PyTree:
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(dtype) if _is_floating(x) else x, tree)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """A pytree key path as a '/'-joined string.
+
+  Dict keys, attribute names and sequence indices are joined with '/', so a
+  Haiku parameter `params["encoder/~/linear_1"]["w"]` reads
+  `encoder/~/linear_1/w`, the same as Haiku's own module names.
+
+  >>> import jax
+  >>> params = {"encoder/~/linear_1": {"w": 0, "b": 0}}
+  >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  ['encoder/~/linear_1/b', 'encoder/~/linear_1/w']
+
+  See also: `nonfinite_paths`, `jax.tree_util.keystr` (the checkpoint keys).
+  """
+  return "/".join(_key_name(k) for k in path)
+
+
+# --- Overflow attribution ------------------------------------------------------
+
+
+def nonfinite_flags(tree: PyTree) -> PyTree:
+  """Per-leaf flags: a boolean scalar array per leaf, True where it has inf/NaN.
+
+  Runs on device (no host sync) and works under `jit`, `pmap` and
+  `shard_map`; turn it into names on the host with `nonfinite_paths`.
+  Integer and bool leaves are always finite.
+
+  >>> import jax.numpy as jnp
+  >>> flags = nonfinite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.inf])})
+  >>> bool(flags["a"]), bool(flags["b"])
+  (False, True)
+
+  See also: `nonfinite_paths`, `scaled_value_and_grad(attribute_overflow=True)`.
+  """
+  return jax.tree_util.tree_map(lambda x: ~jnp.isfinite(x).all(), tree)
+
+
+def nonfinite_paths(flags: PyTree) -> list[str]:
+  """The '/'-joined paths of the leaves flagged True, on the host.
+
+  This reads the flags back to the host (a device sync): call it only on
+  steps you want to report, e.g. when `grads_finite` is False. Accepts the
+  output of `nonfinite_flags` or any pytree of boolean arrays (a leaf counts
+  as flagged if any of its elements is True).
+
+  >>> import jax.numpy as jnp
+  >>> grads = {"encoder/~/linear_1": {"w": jnp.array([jnp.nan]),
+  ...                                 "b": jnp.zeros(1)}}
+  >>> nonfinite_paths(nonfinite_flags(grads))
+  ['encoder/~/linear_1/w']
+
+  See also: `nonfinite_flags`, `path_str`.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(flags)[0]
+  return [path_str(p) for p, flag in leaves if bool(np.any(np.asarray(flag)))]
+
+
+# --- Loss-scaled gradients -----------------------------------------------------
+
+
+def _leaf_desc(x: Any) -> str:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return type(x).__name__
+  return f"{np.dtype(dtype).name}{list(np.shape(x))}"
+
+
+def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
+  """Raises TypeError naming every non-floating leaf we would differentiate."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  bad = []
+  for i in nums:
+    if i >= len(args) or i < -len(args):
+      raise ValueError(f"scaled_value_and_grad: argnums={argnums!r} refers to "
+                       f"positional argument {i}, but only {len(args)} were "
+                       "passed (after the loss scale).")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+      if isinstance(leaf, bool) or not (
+          isinstance(leaf, float) or _is_floating(leaf)):
+        bad.append(f"args[{i}]{jax.tree_util.keystr(path)}: {_leaf_desc(leaf)}")
+  if bad:
+    raise TypeError(
+        "scaled_value_and_grad: cannot differentiate with respect to "
+        "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
+        "leaves (float16, bfloat16, float32, float64, complex) are accepted "
+        "in the arguments named by argnums; pass integer data (step counts, "
+        "token ids) through another argument, or cast it to a float dtype.")
+
+
+def _check_loss(loss: Any) -> None:
+  shape, dtype = np.shape(loss), getattr(loss, "dtype", None)
+  if dtype is None:
+    dtype = np.result_type(loss)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        "scaled_value_and_grad: fun must return a real floating-point scalar "
+        f"loss (shape ()), got {np.dtype(dtype).name} of shape {shape}. "
+        "Reduce it to a scalar (e.g. `.mean()` or `.sum()`), or, to return "
+        "extra outputs, return `(loss, aux)` and pass has_aux=True.")
+
+
+def _all_reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+  # pmin over an int: the flag is True on every device only if it is True on
+  # all of them. Integers reduce exactly and bools are not reducible everywhere.
+  return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def _pmean(tree: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
+  def reduce(x):
+    if not _is_floating(x):
+      return x
+    work = x.dtype if reduce_dtype is None else reduce_dtype
+    return lax.pmean(x.astype(work), axis_name).astype(x.dtype)
+  return jax.tree_util.tree_map(reduce, tree)
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    axis_name: Any = None,
+    reduce_dtype: Any = jnp.float32,
+    grad_dtype: Any = None,
+    attribute_overflow: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
+  """Loss-scaled `jax.value_and_grad`, with the finiteness check and adjustment.
+
+  Returns `g(loss_scale, *args, **kwargs)` which, in one traced call:
+
+  1. evaluates `fun(*args, **kwargs)` and differentiates
+     `loss_scale.scale(loss)` with respect to `args[argnums]` (the loss
+     scale is not counted in `argnums`);
+  2. unscales the gradients, each leaf back in its own dtype (the dtype of
+     the parameter it belongs to), or in `grad_dtype` if given;
+  3. with `axis_name` (inside `pmap` or `shard_map`): averages the gradients
+     over the devices in `reduce_dtype` (float32 by default, so a sum of
+     half-precision gradients cannot overflow; None reduces in each leaf's
+     own dtype) and averages the loss the same way;
+  4. `grads_finite = all_finite(grads)`, all-reduced with `lax.pmin` over
+     `axis_name`, so it is identical on every device;
+  5. `new_loss_scale = loss_scale.adjust(grads_finite)`, hence identical on
+     every device too.
+
+  `g` returns `(new_loss_scale, grads_finite, value, grads)`, where `value`
+  is the unscaled loss as `fun` computed it (or `(loss, aux)` with
+  `has_aux=True`, as `jax.value_and_grad`). With `attribute_overflow=True`
+  it returns a fifth element: `nonfinite_flags(grads)` (all-reduced over
+  `axis_name`), a pytree of boolean scalars for `nonfinite_paths`.
+
+  Nothing here syncs with the host, and nothing skips the update: pass
+  `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
+
+  Args:
+    fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
+    argnums: which positional arguments of `fun` to differentiate, as in
+      `jax.value_and_grad`. Their leaves must all be floating point.
+    has_aux: whether `fun` returns `(loss, aux)`.
+    axis_name: the mapped axis of `pmap` / `shard_map` to all-reduce the
+      gradients, the loss and the finiteness flag over; None for one device
+      (or plain `jit` over sharded arrays, where reductions are global).
+    reduce_dtype: dtype the cross-device mean is computed in; pass
+      `policy.param_dtype` to follow a policy, None for each leaf's dtype.
+    grad_dtype: dtype to return the floating gradients in; None keeps each
+      leaf's own dtype. float32 avoids losing tiny unscaled float16 grads to
+      underflow when params themselves are float16 (see `master_weights`).
+    attribute_overflow: also return per-leaf non-finite flags.
+
+  Returns:
+    A function `g(loss_scale, *args, **kwargs)` as described above.
+
+  Raises (when `g` is called or traced):
+    TypeError: if `fun` returns a non-scalar or non-floating loss, or if a
+      leaf of a differentiated argument is not floating point (the message
+      names each offending leaf).
+
+  >>> import jax.numpy as jnp, mpolicy
+  >>> loss_fn = lambda w, x: jnp.sum((w * x) ** 2)
+  >>> grad_fn = scaled_value_and_grad(loss_fn)
+  >>> ls = mpolicy.DynamicLossScale(jnp.float32(2. ** 15))
+  >>> ls, finite, loss, grads = grad_fn(ls, jnp.ones(2), jnp.full(2, 3.))
+  >>> bool(finite), float(loss), grads.tolist()
+  (True, 18.0, [18.0, 18.0])
+
+  See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
+  `DynamicLossScale`.
+  """
+
+  def scaled_fun(loss_scale, *args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            "scaled_value_and_grad: with has_aux=True, fun must return a pair "
+            f"(loss, aux), got {type(out).__name__}.")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    _check_loss(loss)
+    return loss_scale.scale(loss), (loss, aux)
+
+  def g(loss_scale: LossScale, *args, **kwargs):
+    _check_differentiable(args, argnums)
+    nums = (argnums + 1 if isinstance(argnums, int)
+            else tuple(i + 1 for i in argnums))
+    grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
+    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
+
+    unscaled = loss_scale.unscale(grads)
+    # Loss scales following the contract return each leaf in its own dtype;
+    # cast anyway, so jmp's promoting `unscale` works here too.
+    grads = jax.tree_util.tree_map(
+        lambda u, g_: u.astype(g_.dtype if grad_dtype is None else grad_dtype)
+        if _is_floating(g_) else u, unscaled, grads)
+
+    if axis_name is not None:
+      grads = _pmean(grads, axis_name, reduce_dtype)
+      loss = _pmean(loss, axis_name, reduce_dtype)
+    grads_finite = loss_scale_lib.all_finite(grads)
+    if axis_name is not None:
+      grads_finite = _all_reduce_finite(grads_finite, axis_name)
+    new_loss_scale = loss_scale.adjust(grads_finite)
+
+    value = (loss, aux) if has_aux else loss
+    if not attribute_overflow:
+      return new_loss_scale, grads_finite, value, grads
+    flags = nonfinite_flags(grads)
+    if axis_name is not None:
+      flags = jax.tree_util.tree_map(
+          lambda f: ~_all_reduce_finite(~f, axis_name), flags)
+    return new_loss_scale, grads_finite, value, grads, flags
+
+  return g
+
+
+# --- Skipping non-finite steps ---------------------------------------------------
+
+
+class SkipNonFiniteState(NamedTuple):
+  """State of `skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state; bit-for-bit unchanged by a
+      skipped step (so its step count does not advance either).
+    notfinite_count: int32, non-finite steps in a row (0 after a finite one).
+    last_finite: bool, whether the last step was finite.
+    total_notfinite: int32, non-finite (skipped) steps since `init`.
+  """
+  inner_state: Any
+  notfinite_count: jax.Array
+  last_finite: jax.Array
+  total_notfinite: jax.Array
+
+
+def _identity_update(shape_dtype: Any) -> jax.Array:
+  # x + (-0.0) == x bit for bit for every x, -0.0 and NaN included, while
+  # x + 0.0 turns -0.0 into +0.0. Integer leaves get plain zeros.
+  if jnp.issubdtype(shape_dtype.dtype, jnp.inexact):
+    return jnp.full(shape_dtype.shape, -0.0, shape_dtype.dtype)
+  return jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps `inner` to skip steps whose gradients are not finite.
+
+  On a non-finite step the inner state is returned bit-for-bit as it was
+  (its step count does not advance) and the updates are `-0.0`, so
+  `optax.apply_updates(params, updates)` returns params bit-for-bit as they
+  were (adding `-0.0` is the exact identity, `+0.0` would flip `-0.0` to
+  `+0.0`). Only this wrapper's counters (`SkipNonFiniteState`) change.
+
+  Whether the step is finite is read from the `grads_finite` extra argument
+  when given: pass the all-reduced flag from `scaled_value_and_grad`, so
+  every device skips together. Without it, `all_finite(updates)` is used.
+
+  Compared with `optax.apply_if_finite(inner, max_consecutive_errors)`, which
+  has the same counters and also keeps the inner state: this never gives up
+  (`apply_if_finite` applies the non-finite update after
+  `max_consecutive_errors` skips, which poisons params with NaN), accepts
+  the external flag, and keeps `-0.0` params intact. For gradient
+  accumulation use optax's own `optax.MultiSteps(tx, k,
+  should_skip_update_fn=optax.skip_not_finite)`, which drops a non-finite
+  mini-batch before it reaches the accumulator.
+
+  Args:
+    inner: the optimizer to wrap; extra args other than `grads_finite` are
+      passed on to it.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `SkipNonFiniteState`.
+
+  >>> import jax.numpy as jnp, optax
+  >>> tx = skip_nonfinite(optax.sgd(0.1))
+  >>> params = {"w": jnp.ones(2)}
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update({"w": jnp.array([1., jnp.nan])}, state, params)
+  >>> optax.apply_updates(params, updates)["w"].tolist(), int(state.total_notfinite)
+  ([1.0, 1.0], 1)
+
+  See also: `update_if_finite`, `scaled_value_and_grad`,
+  `optax.apply_if_finite`.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    return SkipNonFiniteState(
+        inner_state=inner.init(params),
+        notfinite_count=jnp.zeros([], jnp.int32),
+        last_finite=jnp.array(True),
+        total_notfinite=jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, grads_finite=None, **extra_args):
+    if grads_finite is None:
+      grads_finite = loss_scale_lib.all_finite(updates)
+    grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+    if grads_finite.shape != ():
+      raise ValueError("skip_nonfinite: grads_finite must be a boolean scalar, "
+                       f"got shape {grads_finite.shape}.")
+
+    def do_update(operands):
+      u, s, p = operands
+      return inner.update(u, s, p, **extra_args)
+
+    def skip_update(operands):
+      u, s, _ = operands
+      shapes, _ = jax.eval_shape(do_update, operands)
+      return jax.tree_util.tree_map(_identity_update, shapes), s
+
+    new_updates, inner_state = lax.cond(
+        grads_finite, do_update, skip_update,
+        (updates, state.inner_state, params))
+    return new_updates, SkipNonFiniteState(
+        inner_state=inner_state,
+        notfinite_count=jnp.where(
+            grads_finite, jnp.zeros([], jnp.int32),
+            optax.safe_increment(state.notfinite_count)),
+        last_finite=grads_finite,
+        total_notfinite=jnp.where(
+            grads_finite, state.total_notfinite,
+            optax.safe_increment(state.total_notfinite)))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def update_if_finite(
+    optimizer: optax.GradientTransformation,
+    grads: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    grads_finite: jax.Array,
+    **extra_args,
+) -> tuple[PyTree, PyTree]:
+  """One optimizer step, applied only if `grads_finite`; else nothing changes.
+
+  Computes the update with any optax `optimizer`, applies it, then selects
+  (`select_tree`) the new params and state if `grads_finite`, else the old
+  ones: on a non-finite step params and every leaf of `opt_state` come back
+  bit-for-bit as they went in, whatever the optimizer. `grads_finite` is
+  also passed to the optimizer as an extra argument (for a `skip_nonfinite`
+  inside it).
+
+  Returns:
+    `(new_params, new_opt_state)`.
+
+  >>> import jax.numpy as jnp, optax, mpolicy
+  >>> tx = optax.adam(0.1)
+  >>> params = {"w": jnp.ones(2)}
+  >>> state = tx.init(params)
+  >>> grads = {"w": jnp.array([jnp.inf, 1.])}
+  >>> new_params, new_state = update_if_finite(
+  ...     tx, grads, state, params, mpolicy.all_finite(grads))
+  >>> new_params["w"].tolist(), int(new_state[0].count)
+  ([1.0, 1.0], 0)
+
+  See also: `skip_nonfinite` (the same as a transformation),
+  `make_train_step`.
+  """
+  optimizer = optax.with_extra_args_support(optimizer)
+  grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+  updates, new_state = optimizer.update(
+      grads, opt_state, params, grads_finite=grads_finite, **extra_args)
+  new_params = optax.apply_updates(params, updates)
+  return (loss_scale_lib.select_tree(grads_finite, new_params, params),
+          loss_scale_lib.select_tree(grads_finite, new_state, opt_state))
+
+
+# --- Stable dtypes -------------------------------------------------------------
+
+
+def _strong(x: Any) -> Any:
+  if getattr(x, "weak_type", False):
+    return lax.convert_element_type(x, x.dtype)  # Drops the weak type.
+  return x
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  if new is None or old is None:
+    return new
+  dtype = getattr(old, "dtype", None)
+  if dtype is None:
+    return new
+  new = jnp.asarray(new)
+  return _strong(new) if new.dtype == dtype else new.astype(dtype)
+
+
+def keep_dtypes(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps `inner` so its state and updates keep their dtypes between steps.
+
+  * State: each leaf of the state `inner.init` returns keeps that dtype (and
+    is strongly typed) after every update. Without this, Adam's moments made
+    from bfloat16 params turn float32 the first time they meet float32
+    gradients (optax issues #1039, #1098), and a jitted step compiles twice.
+  * Updates: each floating leaf is cast to the dtype of its parameter (or,
+    without `params`, of the incoming gradient), so `optax.apply_updates`
+    never promotes and `params + updates` keeps the params' dtype.
+
+  Pick the state dtype at init: `keep_dtypes(inner).init(params)` builds the
+  state from `params` as `inner.init` does. Wrap `master_weights` the other
+  way round (`master_weights(keep_dtypes(inner))`): its updates are float32
+  on purpose.
+
+  >>> import jax.numpy as jnp, optax
+  >>> tx = keep_dtypes(optax.adam(1e-3))
+  >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update({"w": jnp.ones(2, jnp.float32)}, state, params)
+  >>> updates["w"].dtype, state[0].mu["w"].dtype
+  (dtype(bfloat16), dtype(bfloat16))
+
+  See also: `master_weights`, `make_train_step`.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    return jax.tree_util.tree_map(_strong, inner.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    like = updates if params is None else params
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    new_updates = jax.tree_util.tree_map(
+        _cast_like, new_updates, like, is_leaf=lambda x: x is None)
+    new_state = jax.tree_util.tree_map(
+        _cast_like, new_state, state, is_leaf=lambda x: x is None)
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --- Master weights ------------------------------------------------------------
+
+
+class MasterWeightsState(NamedTuple):
+  """State of `master_weights`.
+
+  Attributes:
+    master: the master copy of the params, floating leaves in the master
+      dtype (float32 by default); the source of truth for the weights.
+    inner_state: the wrapped optimizer's state, built from `master`.
+  """
+  master: Any
+  inner_state: Any
+
+
+def master_weights(
+    inner: optax.GradientTransformation,
+    master_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps a float32 master copy of half-precision params in the optimizer.
+
+  The params you compute with are half precision (e.g. bfloat16); the
+  state's `master` holds them in `master_dtype`. Each update casts the
+  gradients to `master_dtype`, runs `inner` on the master (so its moments
+  are float32 too), adds its updates to the master, and returns
+  `updates = new_master.astype(half) - params`, computed in `master_dtype`.
+  Thus `optax.apply_updates(params, updates)` gives `new_master` rounded to
+  the params' dtype, bit for bit (tested on random steps). The one
+  exception is a weight that shrinks by a factor over 2**14 in one step
+  without reaching zero, where float32 cannot hold the difference exactly;
+  the next step corrects it, since updates are always taken against the
+  params passed in. Use `params_from_master` for the rounded master
+  directly, with no exception. Leaves already in `master_dtype` get
+  `inner`'s updates unchanged.
+
+  Updates that are too small to change a half-precision weight still move
+  the master, and reach the weight once they add up.
+
+  Three ways to start:
+    * from float32 params: `half, state = init_master_weights(tx, params,
+      jnp.bfloat16)`; the float32 params become the master.
+    * from existing half params and a float32 copy of them:
+      `state = tx.init(copy_f32)`, and keep computing with the half params.
+    * from half params only: `state = tx.init(half)` (exact upcast).
+  `init` casts the floating leaves of what it gets to `master_dtype`.
+
+  `update` needs `params` (their dtypes say what to round to). Extra args
+  are passed on to `inner`.
+
+  >>> import jax.numpy as jnp, optax
+  >>> tx = master_weights(optax.sgd(1e-4))
+  >>> half, state = init_master_weights(tx, {"w": jnp.ones(2)}, jnp.bfloat16)
+  >>> for _ in range(100):
+  ...   updates, state = tx.update({"w": -jnp.ones(2, jnp.bfloat16)}, state, half)
+  ...   half = optax.apply_updates(half, updates)
+  >>> round(float(state.master["w"][0]), 4), float(half["w"][0])
+  (1.01, 1.0078125)
+
+  See also: `init_master_weights`, `params_from_master`, `skip_nonfinite`
+  (wrap it around `master_weights` to keep the master on bad steps).
+  """
+  inner = optax.with_extra_args_support(inner)
+  master_dtype = np.dtype(master_dtype)
+
+  def init(params):
+    master = jax.tree_util.tree_map(_strong, _cast_floating(params, master_dtype))
+    return MasterWeightsState(master=master, inner_state=inner.init(master))
+
+  def update(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+          "master_weights: update needs `params` (the half-precision params "
+          "you compute with) to know which dtype to round the master to; call "
+          "`tx.update(grads, state, params)`.")
+    grads = _cast_floating(updates, master_dtype)
+    inner_updates, inner_state = inner.update(
+        grads, state.inner_state, state.master, **extra_args)
+    master = optax.apply_updates(state.master, inner_updates)
+
+    def param_update(p, m, u):
+      if not _is_floating(p):
+        return u
+      if p.dtype == master_dtype:
+        return u  # p == m: p + u is exactly what the master got.
+      return m.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
+
+    new_updates = jax.tree_util.tree_map(
+        param_update, params, master, inner_updates)
+    return new_updates, MasterWeightsState(master=master,
+                                           inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def init_master_weights(
+    optimizer: optax.GradientTransformation,
+    params: PyTree,
+    param_dtype: Any,
+) -> tuple[PyTree, PyTree]:
+  """Starts master-weight training from full-precision params.
+
+  Returns `(half_params, opt_state)`: the floating leaves of `params` cast
+  to `param_dtype`, and `optimizer.init(params)`, in which the given params
+  become the master copy.
+
+  >>> import jax.numpy as jnp, optax
+  >>> tx = master_weights(optax.adam(1e-3))
+  >>> half, state = init_master_weights(tx, {"w": jnp.ones(2)}, jnp.bfloat16)
+  >>> half["w"].dtype, state.master["w"].dtype
+  (dtype(bfloat16), dtype('float32'))
+
+  See also: `master_weights`, `params_from_master`.
+  """
+  return _cast_floating(params, param_dtype), optimizer.init(params)
+
+
+def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
+  """The master copy in `opt_state`, rounded to the dtypes of `params`.
+
+  Finds the (single) `MasterWeightsState` anywhere inside `opt_state`, also
+  when `master_weights` is wrapped in `skip_nonfinite` or `optax.chain`.
+  Always equals the master rounded to the params' dtypes, exactly; use it
+  after a restore, or instead of `optax.apply_updates`.
+
+  >>> import jax.numpy as jnp, optax
+  >>> tx = skip_nonfinite(master_weights(optax.sgd(0.1)))
+  >>> state = tx.init({"w": jnp.full(2, 1.001)})
+  >>> params_from_master(state, {"w": jnp.ones(2, jnp.bfloat16)})["w"].tolist()
+  [1.0, 1.0]
+
+  See also: `master_weights`.
+  """
+  found = [s for s in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+           if isinstance(s, MasterWeightsState)]
+  if len(found) != 1:
+    raise ValueError("params_from_master: expected exactly one "
+                     f"MasterWeightsState in opt_state, found {len(found)}.")
+  return jax.tree_util.tree_map(
+      lambda m, p: m.astype(p.dtype) if _is_floating(p) else m,
+      found[0].master, params)
+
+
+# --- A whole step --------------------------------------------------------------
+
+
+class TrainStepResult(NamedTuple):
+  """What a `make_train_step` step returns.
+
+  Attributes:
+    params: the new params (the old ones, bit for bit, if not finite).
+    opt_state: the new optimizer state (likewise).
+    loss_scale: the adjusted loss scale (backed off if not finite).
+    grads_finite: bool scalar, whether the step was applied.
+    value: the loss, or `(loss, aux)` with `has_aux=True`.
+  """
+  params: Any
+  opt_state: Any
+  loss_scale: Any
+  grads_finite: jax.Array
+  value: Any
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+    axis_name: Any = None,
+    reduce_dtype: Any = jnp.float32,
+    grad_dtype: Any = None,
+) -> Callable[..., TrainStepResult]:
+  """A complete loss-scaled training step that skips non-finite steps.
+
+  Returns `step(params, opt_state, loss_scale, *args, **kwargs)` computing
+  `scaled_value_and_grad(loss_fn, ...)` with respect to `params` (the first
+  argument of `loss_fn`), then `update_if_finite`. Jit it (or `pmap` /
+  `shard_map` it with `axis_name`) yourself.
+
+  >>> import jax, jax.numpy as jnp, optax, mpolicy
+  >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
+  >>> tx = optax.sgd(0.1)
+  >>> step = jax.jit(make_train_step(loss_fn, tx))
+  >>> params = {"w": jnp.zeros(2)}
+  >>> out = step(params, tx.init(params), mpolicy.DynamicLossScale(2. ** 15), jnp.ones(2))
+  >>> bool(out.grads_finite), float(out.value), out.params["w"].tolist()
+  (True, 1.0, [0.10000000149011612, 0.10000000149011612])
+
+  See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
+  """
+  grad_fn = scaled_value_and_grad(
+      loss_fn, has_aux=has_aux, axis_name=axis_name,
+      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+
+  def step(params, opt_state, loss_scale, *args, **kwargs):
+    new_loss_scale, finite, value, grads = grad_fn(
+        loss_scale, params, *args, **kwargs)
+    new_params, new_state = update_if_finite(
+        optimizer, grads, opt_state, params, finite)
+    return TrainStepResult(new_params, new_state, new_loss_scale, finite,
+                           value)
+
+  return step
