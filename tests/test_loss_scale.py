@@ -187,15 +187,6 @@ def test_min_loss_scale_holds_under_jit():
   assert float(ls.min_loss_scale) == 128.
 
 
-def test_jmp_loses_min_loss_scale_under_jit():
-  # Documents the bug fixed above; if jmp fixes it this test tells us.
-  ls = jmp.DynamicLossScale(jnp.float32(2. ** 10),
-                            min_loss_scale=jnp.float32(128.))
-  for _ in range(12):
-    ls = jax.jit(lambda ls: ls.adjust(NON_FINITE))(ls)
-  assert float(ls.loss_scale) == 1.
-
-
 def test_jitted_step_does_not_retrace_across_adjust():
   traces = []
 
@@ -293,12 +284,6 @@ def test_half_precision_scale_adjusts_in_its_dtype(dtype):
   assert ls.loss_scale.dtype == dtype and float(ls.loss_scale) == 2.
   jitted = jax.jit(lambda ls: ls.adjust(FINITE))(ls)
   assert jitted.loss_scale.dtype == dtype
-
-
-def test_jmp_crashes_on_float16_scale():
-  ls = jmp.DynamicLossScale(jnp.float16(1024.))
-  with pytest.raises(TypeError):
-    ls.adjust(FINITE)
 
 
 def test_integer_scale_adjusts():

@@ -1,0 +1,247 @@
+"""The Haiku bridge: applies the registry to module calls inside a transform.
+
+Four Haiku hooks do the work while the forward function is traced:
+
+- a method interceptor resolves the policy of each module call (via the
+  registry), casts its floating inputs to the compute dtype, tags the call's
+  region for the interpreter, and casts its floating outputs to the output
+  dtype;
+- a creator makes parameters and state in the param dtype;
+- a getter hands parameters and state to the module in the compute dtype;
+- a setter stores state (e.g. BatchNorm's moving averages) back in the param
+  dtype, so it never drifts into the compute dtype.
+
+`transform_amp` wraps the forward in these hooks and runs `apply` through the
+interpreter, which adds the op-level rules inside each tagged region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+import contextlib
+import functools
+import threading
+from typing import Any, Optional
+
+import haiku as hk
+import jax.numpy as jnp
+
+from mpolicy._src import interpreter
+from mpolicy._src import jax_compat
+from mpolicy._src import op_rules as op_rules_lib
+from mpolicy._src import policy as policy_lib
+from mpolicy._src import regions
+from mpolicy._src import registry
+
+
+class _CallStack(threading.local):
+  """The regions of the module calls being traced in this thread."""
+
+  def __init__(self):
+    super().__init__()
+    self.regions: list[Optional[regions.Region]] = []
+
+
+_CALLS = _CallStack()
+
+
+@contextlib.contextmanager
+def _entered(region: Optional[regions.Region]) -> Iterator[None]:
+  _CALLS.regions.append(region)
+  try:
+    yield
+  finally:
+    _CALLS.regions.pop()
+
+
+def _innermost() -> Optional[regions.Region]:
+  return _CALLS.regions[-1] if _CALLS.regions else None
+
+
+def current_policy() -> Optional[policy_lib.Policy]:
+  """The policy in force in the module call being traced, else ``None``.
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=f32")
+  >>> class Probe(hk.Linear):
+  ...   def __call__(self, x):
+  ...     print(mpolicy.current_policy())
+  ...     return super().__call__(x)
+  >>> f = mpolicy.transform_amp(lambda x: Probe(2)(x))
+  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
+  p=f32,c=bf16,o=f32
+  >>> mpolicy.current_policy() is None
+  True
+  >>> mpolicy.clear_policies()
+
+  See also: `explain_policy`, `set_policy`.
+  """
+  region = _innermost()
+  return region.policy if region is not None else None
+
+
+def _enclosing_region() -> Optional[regions.Region]:
+  """What governs the point of tracing where a module is about to be called.
+
+  Inside a module call that is the call's region. Outside any, it is the
+  innermost named scope a pattern matches, or a `full_precision()` block.
+  """
+  if _CALLS.regions:
+    return _CALLS.regions[-1]
+  return registry.region_for_scopes(jax_compat.current_scope_names())
+
+
+def _in_full_precision() -> bool:
+  marker = regions.marker_for(regions.FULL_PRECISION)
+  return marker in jax_compat.current_scope_names()
+
+
+def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
+  """Runs one module method under the policy the registry gives it."""
+  if context.method_name == "__init__":
+    return next_f(*args, **kwargs)  # Constructors take configuration.
+  module = context.module
+  enclosing = _enclosing_region()
+  if _in_full_precision() or (enclosing is not None
+                              and enclosing.full_precision):
+    region = None
+  else:
+    region = registry.region_for_module(module.module_name, type(module),
+                                        enclosing)
+  if region is None:
+    with _entered(None):
+      return next_f(*args, **kwargs)
+  policy = region.policy
+  args, kwargs = policy.cast_to_compute((args, kwargs))
+  with _entered(region), regions.tagged(region):
+    out = next_f(*args, **kwargs)
+  if region.inherited:
+    # Part of the enclosing call: that call casts at its own boundary, so
+    # inner layers do not cast to the output dtype and straight back.
+    return out
+  return policy.cast_to_output(out)
+
+
+def _is_float(dtype) -> bool:
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _creator(next_creator, shape, dtype, init, context):
+  del context
+  region = _innermost()
+  if region is None or not _is_float(dtype):
+    return next_creator(shape, dtype, init)
+  return next_creator(shape, region.policy.param_dtype, init)
+
+
+def _getter(next_getter, value, context):
+  del context
+  region = _innermost()
+  if region is not None:
+    value = region.policy.cast_to_compute(value)
+  return next_getter(value)
+
+
+def _setter(next_setter, value, context):
+  del context
+  region = _innermost()
+  if region is not None:
+    value = region.policy.cast_to_param(value)
+  return next_setter(value)
+
+
+def with_policies(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Runs a Haiku forward function with the registry's hooks installed.
+
+  Use it inside your own `hk.transform` when you do not want the op-level
+  interpreter: module-level policies (casts of params, state, inputs and
+  outputs) still apply.
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=bf16")
+  >>> f = hk.transform(mpolicy.with_policies(lambda x: hk.Linear(2)(x)))
+  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
+  >>> f.apply(params, None, jnp.ones([1, 3])).dtype
+  dtype(bfloat16)
+  >>> mpolicy.clear_policies()
+
+  See also: `transform_amp`.
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(hk.intercept_methods(_interceptor))
+      stack.enter_context(hk.custom_creator(_creator, params=True, state=True))
+      stack.enter_context(hk.custom_getter(_getter, params=True, state=True))
+      stack.enter_context(hk.custom_setter(_setter))
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+def transform_amp(fn: Callable[..., Any], *,
+                  rules: Optional[op_rules_lib.OpRules] = None
+                  ) -> hk.Transformed:
+  """Like `hk.transform`, with the registry's policies and the op rules.
+
+  For every module call a policy governs, parameters are created and stored
+  in the param dtype; inside the call parameters, state and floating inputs
+  are seen in the compute dtype; the call's floating outputs are cast to the
+  output dtype. A module that inherits its policy from the enclosing call
+  (rule 3) is part of that call: its outputs are left for the enclosing call
+  to cast. State is stored in the param dtype. On top of that, `apply` runs
+  through the interpreter, so each primitive runs in the dtype its op rule
+  gives it (matmuls in half with float32 accumulation, exp/log/sums in
+  float32).
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Module, "p=f32,c=bf16,o=f32")
+  >>> f = mpolicy.transform_amp(lambda x: hk.nets.MLP([8, 2])(x))
+  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([4, 3]))
+  >>> params["mlp/~/linear_0"]["w"].dtype
+  dtype('float32')
+  >>> f.apply(params, None, jnp.ones([4, 3])).dtype
+  dtype('float32')
+  >>> mpolicy.clear_policies()
+
+  Args:
+    fn: a Haiku forward function, as for `hk.transform`.
+    rules: an `OpRules` table; `DEFAULT_RULES` if ``None``.
+
+  Returns:
+    An `hk.Transformed` with Haiku's `init` and `apply` signatures.
+
+  See also: `transform_amp_with_state`, `set_policy`, `explain`.
+  """
+  transformed = hk.transform(with_policies(fn))
+  apply = interpreter.interpret(transformed.apply, rules=rules,
+                                cast_outputs=False)
+  return hk.Transformed(init=transformed.init, apply=apply)
+
+
+def transform_amp_with_state(fn: Callable[..., Any], *,
+                             rules: Optional[op_rules_lib.OpRules] = None
+                             ) -> hk.TransformedWithState:
+  """Like `hk.transform_with_state`, with policies and op rules.
+
+  State such as BatchNorm's moving averages is created and stored in the
+  governing policy's param dtype.
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Module, "p=f32,c=bf16,o=f32")
+  >>> def forward(x):
+  ...   return hk.BatchNorm(True, True, 0.9)(x, is_training=True)
+  >>> f = mpolicy.transform_amp_with_state(forward)
+  >>> params, state = f.init(jax.random.PRNGKey(0), jnp.ones([4, 3]))
+  >>> out, state = f.apply(params, state, None, jnp.ones([4, 3]))
+  >>> state["batch_norm/~/mean_ema"]["average"].dtype
+  dtype('float32')
+  >>> mpolicy.clear_policies()
+
+  See also: `transform_amp`.
+  """
+  transformed = hk.transform_with_state(with_policies(fn))
+  apply = interpreter.interpret(transformed.apply, rules=rules,
+                                cast_outputs=False)
+  return hk.TransformedWithState(init=transformed.init, apply=apply)
