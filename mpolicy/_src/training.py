@@ -327,6 +327,9 @@ def skip_nonfinite(
   were (adding `-0.0` is the exact identity, `+0.0` would flip `-0.0` to
   `+0.0`). Only this wrapper's counters (`SkipNonFiniteState`) change.
 
+  This is the optax-composable way to skip; `update_if_finite` and
+  `make_train_step` are the select-based way for any optimizer.
+
   Whether the step is finite is read from the `grads_finite` extra argument
   when given: pass the all-reduced flag from `scaled_value_and_grad`, so
   every device skips together. Without it, `all_finite(updates)` is used.
@@ -414,8 +417,11 @@ def update_if_finite(
   (`select_tree`) the new params and state if `grads_finite`, else the old
   ones: on a non-finite step params and every leaf of `opt_state` come back
   bit-for-bit as they went in, whatever the optimizer. `grads_finite` is
-  also passed to the optimizer as an extra argument (for a `skip_nonfinite`
-  inside it).
+  also passed to the optimizer as an extra argument. Since the whole state
+  is kept, the counters of a `skip_nonfinite` inside `optimizer` are kept
+  too and so do not count skipped steps: use either this or
+  `skip_nonfinite`, not both (the loss scale's own counter resets either
+  way).
 
   Returns:
     `(new_params, new_opt_state)`.
@@ -682,8 +688,11 @@ def make_train_step(
 
   Returns `step(params, opt_state, loss_scale, *args, **kwargs)` computing
   `scaled_value_and_grad(loss_fn, ...)` with respect to `params` (the first
-  argument of `loss_fn`), then `update_if_finite`. Jit it (or `pmap` /
-  `shard_map` it with `axis_name`) yourself.
+  argument of `loss_fn`), then `update_if_finite`: on a non-finite step
+  params and every leaf of `opt_state` are returned bit-for-bit unchanged
+  and the loss scale backs off. Any optax optimizer works; it needs no
+  `skip_nonfinite`. Jit it (or `pmap` / `shard_map` it with `axis_name`)
+  yourself.
 
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
