@@ -1,0 +1,77 @@
+"""Specification of the op-rule table (API §5)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from mpolicy._src import op_rules
+from mpolicy._src.op_rules import DEFAULT_RULES, OpRules
+
+
+def test_matmul_and_conv_are_lower():
+  for name in ("dot_general", "conv_general_dilated"):
+    assert DEFAULT_RULES.class_of(name) == "lower"
+
+
+def test_fragile_ops_and_sums_are_full():
+  for name in ("exp", "log", "log1p", "pow", "rsqrt", "erf_inv", "reduce_sum",
+               "cumsum", "cumlogsumexp"):
+    assert DEFAULT_RULES.class_of(name) == "full", name
+
+
+def test_combining_ops_are_promote():
+  for name in ("concatenate", "select_n", "dynamic_update_slice", "scatter-add"):
+    assert DEFAULT_RULES.class_of(name) == "promote", name
+
+
+def test_exact_ops_are_unlisted():
+  for name in ("reduce_max", "add", "mul", "max", "convert_element_type"):
+    assert DEFAULT_RULES.class_of(name) is None
+    assert DEFAULT_RULES.reason_of(name) is None
+
+
+def test_every_entry_has_a_reason():
+  for name in DEFAULT_RULES:
+    assert DEFAULT_RULES.reason_of(name), name
+
+
+def test_default_names_are_real_primitive_names():
+  real = {p.name for p in vars(jax.lax).values()
+          if isinstance(p, jax.extend.core.Primitive)}
+  missing = set(DEFAULT_RULES) - real - {"ragged_dot_general"}
+  assert not missing
+
+
+def test_with_ops_moves_and_returns_new_table():
+  rules = DEFAULT_RULES.with_ops(full=["dot_general"], lower="exp")
+  assert rules.class_of("dot_general") == "full"
+  assert rules.class_of("exp") == "lower"
+  assert rules.reason_of("exp") == "user rule"
+  assert DEFAULT_RULES.class_of("dot_general") == "lower"
+  assert rules != DEFAULT_RULES and hash(rules) != hash(DEFAULT_RULES)
+
+
+def test_with_ops_rejects_overlap():
+  with pytest.raises(ValueError, match="both as 'lower' and as 'full'"):
+    DEFAULT_RULES.with_ops(lower=["exp"], full=["exp"])
+
+
+def test_with_ops_rejects_non_strings_with_hint():
+  with pytest.raises(TypeError, match="'exp'"):
+    DEFAULT_RULES.with_ops(full=[jax.lax.exp_p])
+  with pytest.raises(TypeError, match="iterable"):
+    DEFAULT_RULES.with_ops(full=3)
+
+
+def test_without_ops_lets_primitive_run_as_inputs():
+  assert DEFAULT_RULES.without_ops("exp").class_of("exp") is None
+
+
+def test_names_and_table_is_immutable():
+  assert "dot_general" in DEFAULT_RULES.names(op_rules.LOWER)
+  with pytest.raises(TypeError):
+    DEFAULT_RULES._table["exp"] = ("lower", "x")  # pylint: disable=protected-access
+  with pytest.raises(ValueError):
+    DEFAULT_RULES.names("half")
+  assert OpRules().class_of("exp") is None
