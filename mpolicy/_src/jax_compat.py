@@ -77,6 +77,24 @@ def extend_name_stack(names: tuple[str, ...]) -> Iterator[None]:
     yield
 
 
+def current_name_stack():
+  """The name stack in force at this point of tracing (an opaque object)."""
+  return _siu.current_name_stack()
+
+
+@contextlib.contextmanager
+def eqn_context_under(base_stack, eqn) -> Iterator[None]:
+  """Like `eqn_context`, with the equation's name stack under ``base_stack``.
+
+  Name stacks inside a traced jaxpr are relative to where it was traced, so
+  an interpreter re-binding equations prefixes them with the name stack in
+  force where it runs (empty inside a fresh trace).
+  """
+  with _siu.user_context(eqn.source_info.traceback,
+                         name_stack=base_stack + eqn.source_info.name_stack):
+    yield
+
+
 # --- Jaxpr types ------------------------------------------------------------
 
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -88,6 +106,12 @@ Primitive = jex_core.Primitive
 DropVar = jex_core.DropVar
 
 __all__ = [
+    "aval_of",
+    "current_name_stack",
+    "eqn_context_under",
+    "bind",
+    "jaxprs_in_params",
+    "trace_to_closed_jaxpr",
     "ClosedJaxpr",
     "DropVar",
     "Jaxpr",
@@ -102,4 +126,178 @@ __all__ = [
     "scope_names",
 ]
 
-del jax
+
+
+
+# --- Primitives, matched by identity ----------------------------------------
+
+from jax._src import ad_checkpoint as _ad_checkpoint  # pylint: disable=g-bad-import-order,g-import-not-at-top
+from jax._src import core as _core  # pylint: disable=g-import-not-at-top
+from jax._src import custom_derivatives as _custom_derivatives  # pylint: disable=g-import-not-at-top
+from jax._src import linear_util as _lu  # pylint: disable=g-import-not-at-top
+from jax._src import pjit as _pjit  # pylint: disable=g-import-not-at-top
+from jax._src.interpreters import ad as _ad  # pylint: disable=g-import-not-at-top
+from jax._src.interpreters import batching as _batching  # pylint: disable=g-import-not-at-top
+from jax._src.interpreters import mlir as _mlir  # pylint: disable=g-import-not-at-top
+from jax._src.interpreters import partial_eval as _pe  # pylint: disable=g-import-not-at-top
+from jax._src.lax import lax as _lax_internal  # pylint: disable=g-import-not-at-top
+
+try:
+  from jax._src import shard_map as _shard_map  # pylint: disable=g-import-not-at-top
+  shard_map_p = _shard_map.shard_map_p
+except (ImportError, AttributeError):  # Older JAX: jax.experimental.
+  try:
+    from jax.experimental import shard_map as _shard_map  # pylint: disable=g-import-not-at-top
+    shard_map_p = _shard_map.shard_map_p
+  except (ImportError, AttributeError):
+    shard_map_p = None
+
+
+def _optional(module, name):
+  return getattr(module, name, None)
+
+
+dot_general_p = jax.lax.dot_general_p
+conv_general_dilated_p = jax.lax.conv_general_dilated_p
+convert_element_type_p = jax.lax.convert_element_type_p
+bitcast_convert_type_p = jax.lax.bitcast_convert_type_p
+scan_p = jax.lax.scan_p
+while_p = jax.lax.while_p
+cond_p = jax.lax.cond_p
+jit_p = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p")
+remat_p = _ad_checkpoint.remat_p
+custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
+custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
+closed_call_p = _optional(_core, "closed_call_p")
+core_call_p = _optional(_core, "call_p")
+try:
+  from jax._src.interpreters import pxla as _pxla  # pylint: disable=g-import-not-at-top
+  xla_pmap_p = _optional(_pxla, "xla_pmap_p")
+except ImportError:
+  xla_pmap_p = None
+
+# Primitives whose jaxpr params are small scalar combiners (the `add` of a
+# scatter-add, the monoid of a generic reduce), not user code: the
+# interpreter runs them as first-order primitives.
+SCALAR_COMBINER_PRIMITIVES = frozenset(
+    p for p in (
+        _optional(jax.lax, "scatter_p"), _optional(jax.lax, "scatter_add_p"),
+        _optional(jax.lax, "scatter_sub_p"), _optional(jax.lax, "scatter_mul_p"),
+        _optional(jax.lax, "scatter_min_p"), _optional(jax.lax, "scatter_max_p"),
+        _optional(jax.lax, "scatter_apply_p"), _optional(jax.lax, "reduce_p"),
+        _optional(jax.lax, "reduce_window_p"),
+        _optional(jax.lax, "select_and_scatter_p"),
+        _optional(jax.lax, "select_and_gather_add_p"),
+    ) if p is not None)
+
+
+def jaxprs_in_params(params) -> list:
+  """The jaxprs (open or closed) found in an equation's params."""
+  found = []
+  for value in params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        found.append(v)
+  return found
+
+
+def bind(primitive, args, params):
+  """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns).
+
+  Before JAX 0.9.2 `Primitive.get_bind_params` returned ``(subfuns,
+  params)`` and the subfuns were bound as leading arguments; since then it
+  returns one dict with them under ``'subfuns'``, which `bind` accepts.
+  """
+  result = primitive.get_bind_params(params)
+  if isinstance(result, tuple):
+    subfuns, bind_params = result
+    return primitive.bind(*subfuns, *args, **bind_params)
+  return primitive.bind(*args, **result)
+
+
+def aval_of(x):
+  """The abstract value of an array, tracer or scalar."""
+  return _core.get_aval(x)
+
+
+def trace_to_closed_jaxpr(fn, in_avals, like=None) -> ClosedJaxpr:
+  """Traces ``fn(*args) -> list`` at ``in_avals`` (weak types kept).
+
+  The trace starts with an empty name stack, as JAX's own sub-traces do.
+  ``like``, a jaxpr, lends its debug info (names shown in jaxprs).
+  """
+  debug = getattr(like, "debug_info", None)
+  if (debug is None or debug.arg_names is None
+      or len(debug.arg_names) != len(in_avals)):
+    debug = jex_core.DebugInfo(
+        "mpolicy", "mpolicy", tuple(f"a{i}" for i in range(len(in_avals))),
+        None)
+  else:
+    debug = debug._replace(result_paths=None)
+  wrapped = _lu.wrap_init(lambda *a: list(fn(*a)), debug_info=debug)
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+  return jex_core.ClosedJaxpr(jaxpr, consts)
+
+
+def open_jaxpr_with_consts_first(closed: ClosedJaxpr):
+  """``(jaxpr, consts)``: the consts turned into leading invars."""
+  return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def wrap_thunk(fn, like):
+  """A `lu.WrappedFun` calling ``fn``, with the debug info of ``like``."""
+  return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def is_symbolic_zero(x) -> bool:
+  return type(x) is _ad.Zero or type(x) is _custom_derivatives.SymbolicZero  # pylint: disable=unidiomatic-typecheck
+
+
+# --- Defining a primitive ---------------------------------------------------
+
+def new_primitive(name: str) -> Primitive:
+  return jex_core.Primitive(name)
+
+
+def define_bilinear(primitive, lhs_transpose, rhs_transpose) -> None:
+  """JVP and transpose rules for a primitive bilinear in its two operands."""
+  _ad.defbilinear(primitive, lhs_transpose, rhs_transpose)
+
+
+def define_lowering(primitive, composite) -> None:
+  """Lowers ``primitive`` by lowering ``composite`` (a JAX function)."""
+  _mlir.register_lowering(
+      primitive, _mlir.lower_fun(composite, multiple_results=False))
+
+
+def define_batching(primitive, rule) -> None:
+  _batching.primitive_batchers[primitive] = rule
+
+
+def dot_general_transpose_lhs(ct, x, y, **params):
+  """JAX's dot_general transpose for the lhs (dimension bookkeeping)."""
+  return _lax_internal._dot_general_transpose_lhs(ct, x, y, **params)  # pylint: disable=protected-access
+
+
+def dot_general_transpose_rhs(ct, x, y, **params):
+  """JAX's dot_general transpose for the rhs (dimension bookkeeping)."""
+  return _lax_internal._dot_general_transpose_rhs(ct, x, y, **params)  # pylint: disable=protected-access
+
+
+def dot_general_batch_dim_nums(ndims, batch_dims, dimension_numbers):
+  """JAX's new dimension numbers for a vmapped dot_general."""
+  return _lax_internal._dot_general_batch_dim_nums(  # pylint: disable=protected-access
+      ndims, batch_dims, dimension_numbers)
+
+
+def shaped_array(shape, dtype, weak_type: bool = False):
+  return _core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+
+
+def with_dtype(aval, dtype, weak_type: bool = False):
+  """``aval`` with another dtype (keeps shape, sharding, vma, ...)."""
+  return aval.update(dtype=dtype, weak_type=weak_type)
+
+
+def tangent_aval(aval):
+  return aval.to_tangent_aval()

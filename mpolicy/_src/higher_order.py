@@ -1,0 +1,237 @@
+"""Higher-order primitives: one table of how to rebuild each around rules.
+
+A higher-order primitive (`jit`, `scan`, `while`, `cond`, `checkpoint`,
+`custom_jvp_call`, `custom_vjp_call`, `shard_map`, ...) carries sub-jaxprs
+in its params. Each rule here re-traces those sub-jaxprs through the
+interpreter (`scope.trace`) at the dtypes its operands now have, and binds
+the primitive again with the new sub-jaxprs:
+
+* loop carries keep the dtype they enter with (carry outputs are cast back);
+* `cond` branches must agree on output dtypes: each output takes the widest
+  dtype any branch gives it;
+* `custom_jvp` / `custom_vjp` keep their custom derivative: the rule runs on
+  the dtypes it was written for, with casts at its boundary.
+
+A primitive with sub-jaxprs that is not in the table raises
+`UnsupportedPrimitiveError` rather than being silently skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import jax_compat
+
+
+class UnsupportedPrimitiveError(NotImplementedError):
+  """A higher-order primitive the interpreter does not know how to enter."""
+
+
+def _dtype(x) -> np.dtype:
+  return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+def _is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _avals_like(invars, vals) -> list:
+  """The avals of a sub-jaxpr's invars, with the dtypes of ``vals``."""
+  out = []
+  for var, x in zip(invars, vals):
+    aval = var.aval
+    if _dtype(x) != aval.dtype:
+      aval = jax_compat.with_dtype(aval, _dtype(x))
+    out.append(aval)
+  return out
+
+
+def _bind(eqn, args, **new_params) -> list:
+  out = jax_compat.bind(eqn.primitive, args, dict(eqn.params, **new_params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _closed(jaxpr) -> jax_compat.ClosedJaxpr:
+  if isinstance(jaxpr, jax_compat.ClosedJaxpr):
+    return jaxpr
+  return jax_compat.ClosedJaxpr(jaxpr, ())
+
+
+def _carry_dtypes(vals) -> list:
+  return [_dtype(x) if _is_float(_dtype(x)) else None for x in vals]
+
+
+# --- Rules ------------------------------------------------------------------
+
+
+def _call_rule(param: str) -> Callable[..., list]:
+  """`jit`/`closed_call`: one closed sub-jaxpr over all operands."""
+
+  def rule(scope, eqn, invals):
+    closed = eqn.params[param]
+    new = scope.trace(closed, _avals_like(closed.jaxpr.invars, invals))
+    return _bind(eqn, invals, **{param: new})
+
+  return rule
+
+
+def _open_call_rule(param: str) -> Callable[..., list]:
+  """`call`/`checkpoint`: one open sub-jaxpr; new consts become operands."""
+
+  def rule(scope, eqn, invals):
+    jaxpr = eqn.params[param]
+    new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
+    new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
+    return _bind(eqn, [*consts, *invals], **{param: new_jaxpr})
+
+  return rule
+
+
+def _scan(scope, eqn, invals):
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  body = p["jaxpr"]
+  carry = invals[n_consts:n_consts + n_carry]
+  n_ys = len(body.jaxpr.outvars) - n_carry
+  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals),
+                    out_dtypes=_carry_dtypes(carry) + [None] * n_ys)
+  return _bind(eqn, invals, jaxpr=new)
+
+
+def _while(scope, eqn, invals):
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts = invals[:n_cond]
+  body_consts = invals[n_cond:n_cond + n_body]
+  carry = invals[n_cond + n_body:]
+  cond_j, body_j = p["cond_jaxpr"], p["body_jaxpr"]
+  new_cond = scope.trace(
+      cond_j, _avals_like(cond_j.jaxpr.invars, [*cond_consts, *carry]))
+  new_body = scope.trace(
+      body_j, _avals_like(body_j.jaxpr.invars, [*body_consts, *carry]),
+      out_dtypes=_carry_dtypes(carry))
+  return _bind(eqn, invals, cond_jaxpr=new_cond, body_jaxpr=new_body)
+
+
+def _cond(scope, eqn, invals):
+  branches = eqn.params["branches"]
+  operands = invals[1:]
+  avals = [_avals_like(b.jaxpr.invars, operands) for b in branches]
+  probes = [scope.trace(b, a, quiet=True) for b, a in zip(branches, avals)]
+  unified = []
+  for outs in zip(*(p.out_avals for p in probes)):
+    floats = [o.dtype for o in outs if _is_float(o.dtype)]
+    unified.append(max(floats, key=lambda d: np.dtype(d).itemsize)
+                   if len(floats) == len(outs) else None)
+  new = tuple(scope.trace(b, a, out_dtypes=unified)
+              for b, a in zip(branches, avals))
+  return _bind(eqn, invals, branches=new)
+
+
+def _custom_jvp(scope, eqn, invals):
+  """The primal and the custom JVP rule both run under the rules, at the
+  operands' dtypes; the rule's outputs follow the primal's output dtypes."""
+  p = eqn.params
+  call = p["call_jaxpr"]
+  n_consts = p["num_consts"]
+  new_call = scope.trace(call, _avals_like(call.jaxpr.invars, invals))
+  old_jvp = p["jvp_jaxpr_fun"]
+  primal_avals = _avals_like(call.jaxpr.invars[n_consts:], invals[n_consts:])
+  out_dtypes = [a.dtype for a in new_call.out_avals]
+
+  def jvp_jaxpr_fun(*zeros):
+    jvp_jaxpr, jvp_consts, out_zeros = old_jvp.call_wrapped(*zeros)
+    closed = jax_compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
+    tangent_avals = [jax_compat.tangent_aval(a)
+                     for a, z in zip(primal_avals, zeros) if not z]
+    nz_out = [d for d, z in zip(out_dtypes, out_zeros) if not z]
+    in_avals = [*primal_avals, *tangent_avals]
+    try:
+      new_jvp = scope.trace(closed, in_avals, out_dtypes=[*out_dtypes, *nz_out],
+                            quiet=True)
+    except Exception:  # pylint: disable=broad-except
+      # The rule does not type-check at the new dtypes: run it at its own.
+      new_jvp = scope.trace(closed, in_avals, out_dtypes=[*out_dtypes, *nz_out],
+                            quiet=True, cast_inputs_to=closed.in_avals)
+    return new_jvp.jaxpr, new_jvp.consts, out_zeros
+
+  return _bind(eqn, invals, call_jaxpr=new_call,
+               jvp_jaxpr_fun=jax_compat.wrap_thunk(jvp_jaxpr_fun, old_jvp))
+
+
+def _custom_vjp(scope, eqn, invals):
+  """The custom VJP rule sees the dtypes it was written for: operands are
+  cast to those, and the primal and forward rule (both under the rules)
+  return them."""
+  p = eqn.params
+  call = p["call_jaxpr"]
+  traced_in = [a.dtype for a in call.in_avals]
+  args = [scope.cast(x, d) for x, d in zip(invals, traced_in)]
+  out_dtypes = [a.dtype for a in call.out_avals]
+  new_call = scope.trace(call, call.in_avals, out_dtypes=out_dtypes)
+  old_fwd = p["fwd_jaxpr_thunk"]
+
+  def fwd_jaxpr_thunk(*nonzeros):
+    fwd_jaxpr, fwd_consts = old_fwd.call_wrapped(*nonzeros)
+    fwd = jax_compat.ClosedJaxpr(fwd_jaxpr, fwd_consts)
+    new_fwd = scope.trace(fwd, fwd.in_avals,
+                          out_dtypes=[a.dtype for a in fwd.out_avals],
+                          quiet=True)
+    return new_fwd.jaxpr, new_fwd.consts
+
+  return _bind(eqn, args, call_jaxpr=new_call,
+               fwd_jaxpr_thunk=jax_compat.wrap_thunk(fwd_jaxpr_thunk, old_fwd))
+
+
+def _shard_map(scope, eqn, invals):
+  jaxpr = eqn.params["jaxpr"]
+  new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
+  new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
+  if consts:
+    raise UnsupportedPrimitiveError(
+        "mpolicy: a shard_map body gained constants while being interpreted; "
+        "pass them as arguments to the shard_map-ed function instead")
+  return _bind(eqn, invals, jaxpr=new_jaxpr)
+
+
+_RULES: dict[Any, Callable[..., list]] = {
+    jax_compat.jit_p: _call_rule("jaxpr"),
+    jax_compat.scan_p: _scan,
+    jax_compat.while_p: _while,
+    jax_compat.cond_p: _cond,
+    jax_compat.remat_p: _open_call_rule("jaxpr"),
+    jax_compat.custom_jvp_call_p: _custom_jvp,
+    jax_compat.custom_vjp_call_p: _custom_vjp,
+}
+if jax_compat.closed_call_p is not None:
+  _RULES[jax_compat.closed_call_p] = _call_rule("call_jaxpr")
+if jax_compat.core_call_p is not None:
+  _RULES[jax_compat.core_call_p] = _open_call_rule("call_jaxpr")
+if jax_compat.shard_map_p is not None:
+  _RULES[jax_compat.shard_map_p] = _shard_map
+
+
+def rule_for(primitive) -> Optional[Callable[..., list]]:
+  """How to rebuild ``primitive`` around interpreted sub-jaxprs, if it has any."""
+  return _RULES.get(primitive)
+
+
+def supported() -> tuple[str, ...]:
+  """Names of the higher-order primitives the interpreter enters."""
+  return tuple(sorted(p.name for p in _RULES))
+
+
+def check_first_order(eqn) -> None:
+  """Raises if ``eqn`` hides sub-jaxprs the interpreter cannot enter."""
+  if eqn.primitive in jax_compat.SCALAR_COMBINER_PRIMITIVES:
+    return
+  if jax_compat.jaxprs_in_params(eqn.params):
+    raise UnsupportedPrimitiveError(
+        f"mpolicy cannot apply its op rules inside the higher-order primitive "
+        f"{eqn.primitive.name!r}: it has sub-jaxprs, and mpolicy knows how to "
+        f"enter only {', '.join(supported())}. Wrap the call in "
+        f"`mpolicy.full_precision()` and open an issue.")

@@ -1,0 +1,539 @@
+"""The interpreter: re-runs a traced function, one rule per primitive.
+
+`amp(fn)` traces ``fn`` to a jaxpr and evaluates it equation by equation on
+whatever trace it is called under (eager, `jit`, `grad`, `vmap`, ...). For
+each equation it reads the region that governs it (from the name stack: the
+Haiku bridge's markers, `full_precision()` blocks, named scopes matching a
+registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
+`OpRules` table and binds it in the dtype the rule gives (API §5):
+
+* ``lower`` (matmul, convolution): inputs cast to the compute dtype of the
+  governing policy, float32 accumulation; run as written where no policy
+  governs or the compute dtype is float32.
+* ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
+  not; the result stays float32, as with autocast.
+* ``promote``: the widest floating dtype among the inputs.
+* anything else: the dtype of its inputs. Where floating inputs disagree,
+  literals follow the arrays, otherwise the widest dtype wins. If JAX
+  rejects the re-typed equation, it runs on inputs cast back to the dtypes
+  it was traced with.
+
+Casts are cached per (value, dtype), so a parameter used three times is cast
+once, and an up-cast remembers its half source so casting back is free.
+Higher-order primitives are rebuilt around interpreted sub-jaxprs by the one
+table in `higher_order`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import higher_order
+from mpolicy._src import jax_compat
+from mpolicy._src import lowp
+from mpolicy._src import op_rules as op_rules_lib
+from mpolicy._src import policy as policy_lib
+from mpolicy._src import regions
+from mpolicy._src import registry
+
+AMP_ATTRIBUTE = "__mpolicy_amp__"
+
+# Primitives that reinterpret bits or make random numbers: their floating
+# inputs (if any) must keep the dtype they were traced with.
+_AS_TRACED = frozenset({jax_compat.bitcast_convert_type_p})
+
+# Primitives with a dtype parameter that follows their inputs: when the
+# inputs change dtype, the parameter follows (if it was the input dtype).
+_ACCUMULATING = frozenset({jax_compat.dot_general_p,
+                           jax_compat.conv_general_dilated_p})
+
+
+# --- Recording (read by `explain`) -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What the interpreter did with one equation (a row of `explain`)."""
+  scope: str
+  module_class: Optional[str]
+  primitive: str
+  in_dtypes: tuple[str, ...]
+  ran_in: str
+  rule: str
+  decided_by: str
+  casts: int
+
+
+class _Recording(threading.local):
+  rows: Optional[list[Decision]] = None
+  runs: int = 0
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Decision]]:
+  """Collects a `Decision` per equation interpreted inside the block."""
+  prev_rows, prev_runs = _recording.rows, _recording.runs
+  rows: list[Decision] = []
+  _recording.rows, _recording.runs = rows, 0
+  try:
+    yield rows
+  finally:
+    _recording.rows, _recording.runs = prev_rows, prev_runs
+
+
+def interpreter_ran() -> bool:
+  """Whether `interpret`-ed code was traced inside the current `recording`."""
+  return _recording.runs > 0
+
+
+# --- Dtype helpers -----------------------------------------------------------
+
+
+def _dtype(x) -> np.dtype:
+  return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+def _is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_half(dtype) -> bool:
+  return _is_float(dtype) and np.dtype(dtype).itemsize < 4
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+  return max(dtypes, key=lambda d: (np.dtype(d).itemsize,
+                                    np.dtype(d) == jnp.float16))
+
+
+def _is_traced(x) -> bool:
+  return isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+
+
+# --- The environment ----------------------------------------------------------
+
+
+class _Env:
+  """Values of one jaxpr's variables, and the casts made of them."""
+
+  def __init__(self):
+    self.values: dict[Any, Any] = {}
+    self._casts: dict[tuple[int, np.dtype], Any] = {}
+    self._keep: list[Any] = []  # Keeps ids in `_casts` alive.
+    self.inserted = 0
+
+  def read(self, var):
+    if isinstance(var, jax_compat.Literal):
+      return var.val
+    return self.values[var]
+
+  def cast(self, x, dtype):
+    """``x`` as ``dtype``, made at most once per (value, dtype)."""
+    dtype = np.dtype(dtype)
+    src = _dtype(x)
+    if src == dtype:
+      return x
+    if not _is_traced(x):  # Literals and numpy consts: fold now.
+      return np.asarray(x).astype(dtype)
+    key = (id(x), dtype)
+    hit = self._casts.get(key)
+    if hit is not None:
+      return hit
+    y = jax.lax.convert_element_type(x, dtype)
+    self._casts[key] = y
+    self._keep += [x, y]
+    self.inserted += 1
+    if _is_float(src) and _is_float(dtype) and dtype.itemsize > src.itemsize:
+      self._casts[(id(y), src)] = x  # Exact up-cast: casting back is free.
+    return y
+
+
+# --- Configuration of one run -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  rules: op_rules_lib.OpRules
+  outer: Optional[regions.Region]
+  quiet: bool = False
+
+
+class Scope:
+  """What a higher-order rule needs: tracing and casting at its call site.
+
+  Attributes:
+    names: the plain scope names of the higher-order equation (the prefix of
+      every equation inside its sub-jaxprs).
+  """
+
+  def __init__(self, config: _Config, env: _Env, names: tuple[str, ...]):
+    self._config = config
+    self._env = env
+    self.names = names
+
+  def cast(self, x, dtype):
+    """``x`` cast to ``dtype`` (cached) if it is floating, else ``x``."""
+    if dtype is None or not _is_float(_dtype(x)) or not _is_float(dtype):
+      return x
+    return self._env.cast(x, dtype)
+
+  def trace(self, closed, in_avals, out_dtypes=None, *,
+            quiet: bool = False,
+            cast_inputs_to=None) -> jax_compat.ClosedJaxpr:
+    """Interprets ``closed`` at ``in_avals`` into a new closed jaxpr.
+
+    ``out_dtypes``, when given, fixes the dtype of each floating output
+    (``None`` entries are left as they come); ``cast_inputs_to`` likewise
+    casts the inputs to the dtypes of these avals first. ``quiet`` keeps the
+    equations out of `explain` (for probes and lazily traced rules).
+    """
+    config = dataclasses.replace(self._config,
+                                 quiet=self._config.quiet or quiet)
+    names = self.names
+
+    def run(*args):
+      env = _Env()
+      if cast_inputs_to is not None:
+        args = [env.cast(a, d.dtype) if _is_float(_dtype(a)) else a
+                for a, d in zip(args, cast_inputs_to)]
+      outs = _eval_jaxpr(closed.jaxpr, closed.consts, args, config, names, env)
+      if out_dtypes is not None:
+        outs = [o if d is None or not _is_float(_dtype(o)) else env.cast(o, d)
+                for o, d in zip(outs, out_dtypes)]
+      return outs
+
+    return jax_compat.trace_to_closed_jaxpr(run, in_avals, like=closed.jaxpr)
+
+
+# --- The loop -----------------------------------------------------------------
+
+
+def _eval_jaxpr(jaxpr, consts, args, config: _Config,
+                prefix: tuple[str, ...], env: Optional[_Env] = None) -> list:
+  env = _Env() if env is None else env
+  base = jax_compat.current_name_stack()
+  env.values.update(zip(jaxpr.constvars, consts))
+  env.values.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [env.read(v) for v in eqn.invars]
+    names = prefix + jax_compat.eqn_scope_names(eqn)
+    with jax_compat.eqn_context_under(base, eqn):
+      rule = higher_order.rule_for(eqn.primitive)
+      if rule is not None:
+        outs = rule(Scope(config, env, names), eqn, invals)
+      else:
+        region = registry.region_for_scopes(names, outer=config.outer)
+        if region is None or not region.full_precision:
+          higher_order.check_first_order(eqn)
+        outs = _first_order(config, env, eqn, invals, names, region)
+    for var, out in zip(eqn.outvars, outs):
+      if not isinstance(var, jax_compat.DropVar):
+        env.values[var] = out
+  return [env.read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, args, params=None) -> list:
+  params = eqn.params if params is None else params
+  out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _follow_inputs(eqn, args) -> dict:
+  """``eqn.params`` with accumulation dtypes following re-typed inputs."""
+  params = eqn.params
+  if eqn.primitive in _ACCUMULATING:
+    pet = params.get("preferred_element_type")
+    traced = eqn.invars[0].aval.dtype
+    now = _dtype(args[0])
+    if pet is not None and np.dtype(pet) == traced and now != traced:
+      params = dict(params, preferred_element_type=now)
+  return params
+
+
+def _bind_natural(env: _Env, eqn, args) -> tuple[list, bool]:
+  """Binds on ``args`` as they are; if JAX refuses, at the traced dtypes."""
+  traced = [v.aval.dtype for v in eqn.invars]
+  if all(_dtype(a) == t for a, t in zip(args, traced)):
+    return _bind(eqn, args), True
+  try:
+    return _bind(eqn, args, _follow_inputs(eqn, args)), True
+  except Exception:  # pylint: disable=broad-except
+    # JAX refused the re-typed equation (e.g. a reduce whose combiner is
+    # typed): run it exactly as traced.
+    return _bind(eqn, [_cast_as_traced(env, a, t)
+                       for a, t in zip(args, traced)]), False
+
+
+def _cast_as_traced(env: _Env, x, dtype):
+  return env.cast(x, dtype) if _dtype(x) != dtype else x
+
+
+def _unify(env: _Env, eqn, args, target) -> list:
+  return [env.cast(a, target) if _is_float(_dtype(a)) else a for a in args]
+
+
+def _array_target(eqn, args) -> Optional[np.dtype]:
+  """The dtype disagreeing floating inputs meet at (literals follow)."""
+  arrays, followers = [], []
+  for var, a in zip(eqn.invars, args):
+    d = _dtype(a)
+    if not _is_float(d):
+      continue
+    weak = isinstance(var, jax_compat.Literal) or getattr(var.aval, "weak_type",
+                                                          False)
+    (followers if weak or not _is_traced(a) and np.ndim(a) == 0
+     else arrays).append(d)
+  pool = arrays or followers
+  if len(set(arrays + followers)) <= 1:
+    return None
+  return _widest(pool)
+
+
+def _first_order(config: _Config, env: _Env, eqn, invals, names,
+                 region: Optional[regions.Region]) -> list:
+  prim = eqn.primitive
+  casts_before = env.inserted
+  op_class = config.rules.class_of(prim.name)
+  policy = region.policy if region is not None else None
+  args = list(invals)
+
+  if region is not None and region.full_precision:
+    rule, why = "as written", "full_precision()"
+    op_class = None
+  else:
+    rule, why = "inputs", "no rule: runs in its inputs' dtype"
+
+  if prim is jax_compat.convert_element_type_p and _plain_convert(eqn):
+    outs = [env.cast(args[0], eqn.params["new_dtype"])]
+    rule, why = "explicit cast", "convert_element_type in the traced code"
+  elif prim in _AS_TRACED:
+    outs = _bind(eqn, [_cast_as_traced(env, a, v.aval.dtype)
+                       for a, v in zip(args, eqn.invars)])
+    rule, why = "as written", "reinterprets bits: runs as traced"
+  elif (op_class == op_rules_lib.LOWER and policy is not None
+        and _is_half(policy.compute_dtype)
+        and any(_is_float(_dtype(a)) for a in args)):
+    outs = _lower(env, eqn, args, np.dtype(policy.compute_dtype))
+    rule = "lower"
+    why = f"lower ({config.rules.reason_of(prim.name)}); policy from {region.decided_by}"
+  elif op_class == op_rules_lib.FULL:
+    args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
+            for a in args]
+    outs, _ = _bind_natural(env, eqn, args)
+    rule, why = "full", f"full: {config.rules.reason_of(prim.name)}"
+  else:
+    if op_class == op_rules_lib.PROMOTE:
+      floats = [_dtype(a) for a in args if _is_float(_dtype(a))]
+      target = _widest(floats) if len(set(floats)) > 1 else None
+      rule, why = "promote", f"promote: {config.rules.reason_of(prim.name)}"
+    else:
+      target = _array_target(eqn, args)
+      if op_class == op_rules_lib.LOWER and rule != "as written":
+        why = ("lower op, but no half compute dtype governs: runs as written"
+               if policy is None or not _is_half(policy.compute_dtype) else why)
+    if target is not None:
+      args = _unify(env, eqn, args, target)
+    outs, natural = _bind_natural(env, eqn, args)
+    if not natural:
+      why += " (JAX refused other dtypes: ran as traced)"
+
+  if _recording.rows is not None and not config.quiet:
+    ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
+    if not ran:
+      ran = sorted({_dtype(o).name for o in outs})
+    _recording.rows.append(Decision(
+        scope="/".join(regions.plain_scope_names(names)),
+        module_class=region.module_class if region is not None else None,
+        primitive=prim.name,
+        in_dtypes=tuple(_dtype(a).name for a in invals),
+        ran_in=",".join(ran) if ran else "-",
+        rule=rule,
+        decided_by=why,
+        casts=env.inserted - casts_before))
+  return outs
+
+
+def _plain_convert(eqn) -> bool:
+  params = eqn.params
+  return (not params.get("weak_type", False)
+          and params.get("sharding", None) is None)
+
+
+def _lower(env: _Env, eqn, args, compute) -> list:
+  """Runs a ``lower`` primitive in the half ``compute`` dtype."""
+  prim = eqn.primitive
+  args = [env.cast(a, compute) if _is_float(_dtype(a)) else a for a in args]
+  if prim not in _ACCUMULATING or not all(_is_float(_dtype(a)) for a in args):
+    outs, _ = _bind_natural(env, eqn, args)
+    return outs
+  out_dtype = compute
+  pet = eqn.params.get("preferred_element_type")
+  traced_in = eqn.invars[0].aval.dtype
+  if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
+    out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
+  if prim is jax_compat.dot_general_p:
+    return [lowp.amp_dot_general(
+        args[0], args[1], dimension_numbers=eqn.params["dimension_numbers"],
+        precision=eqn.params.get("precision"), out_dtype=out_dtype)]
+  # Convolutions: float32 accumulation, then cast. (Under grad the backward
+  # convolutions see a float32 cotangent; see the module docstring.)
+  out = _bind(eqn, args, dict(eqn.params, preferred_element_type=jnp.float32))
+  return [env.cast(o, out_dtype) for o in out]
+
+
+# --- Entry points -------------------------------------------------------------
+
+
+def _is_array_leaf(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def interpret(fn: Callable[..., Any], *, policy=None,
+              rules: Optional[op_rules_lib.OpRules] = None,
+              cast_outputs: bool = True) -> Callable[..., Any]:
+  """``fn`` re-run under the op rules (the engine behind `amp`).
+
+  Array leaves of the arguments (JAX and numpy arrays, tracers) are traced;
+  every other leaf (Python scalars and bools, strings, None, objects) is
+  passed through as a static value.
+
+  Args:
+    fn: any JAX function.
+    policy: a `Policy` or spec string that governs the whole call, or
+      ``None`` (then only regions tagged by the Haiku bridge, registry name
+      patterns and the ``full`` rule change anything).
+    rules: the `OpRules` table; `DEFAULT_RULES` if ``None``.
+    cast_outputs: if ``True``, floating outputs are cast to ``policy``'s
+      output dtype (to the dtypes ``fn`` itself returns when no policy is
+      given). If ``False``, they are cast back to the dtypes ``fn`` itself
+      returns, so the interpreted function has ``fn``'s exact signature (the
+      Haiku bridge: module outputs already follow their policies).
+
+  Returns:
+    The interpreted function, marked so that `explain` recognises it.
+  """
+  rules = op_rules_lib.DEFAULT_RULES if rules is None else rules
+  if not isinstance(rules, op_rules_lib.OpRules):
+    raise TypeError(f"rules must be an OpRules table, got {rules!r}")
+  pol = None if policy is None else policy_lib.get_policy(policy)
+  outer = (None if pol is None else
+           regions.Region(policy=pol, decided_by=f"amp(policy={pol})"))
+  config = _Config(rules=rules, outer=outer)
+
+  @functools.wraps(fn)
+  def interpreted(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [_is_array_leaf(x) for x in leaves]
+    arrays = [x for x, t in zip(leaves, traced) if t]
+
+    def flat_fn(*arrs):
+      it = iter(arrs)
+      full = [next(it) if t else x for x, t in zip(leaves, traced)]
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      return fn(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    out_avals, out_tree = jax.tree_util.tree_flatten(out_shape)
+    _recording.runs += 1
+    env = _Env()
+    outs = _eval_jaxpr(closed.jaxpr, closed.consts, arrays, config,
+                       jax_compat.current_scope_names(), env)
+    final = []
+    for out, aval in zip(outs, out_avals):
+      target = aval.dtype
+      if cast_outputs and pol is not None:
+        target = pol.output_dtype
+      if _is_float(_dtype(out)) and _is_float(target):
+        out = env.cast(out, target)
+      final.append(out)
+    return jax.tree_util.tree_unflatten(out_tree, final)
+
+  setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
+  return interpreted
+
+
+def amp(fn: Callable[..., Any], policy=None, *,
+        rules: Optional[op_rules_lib.OpRules] = None) -> Callable[..., Any]:
+  """Runs each primitive of ``fn`` in the dtype the op rules give it.
+
+  Like PyTorch autocast: matmuls and convolutions run in ``policy``'s compute
+  dtype with float32 accumulation, fragile ops (exp, log, sums, ...) in
+  float32, everything else in the dtype of its inputs. Inputs are not cast
+  wholesale; floating outputs are cast to ``policy``'s output dtype. Works
+  under `jit`, `grad`, `vmap`, `pmap` and inside `shard_map`; the rules
+  reach into nested `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
+  `custom_jvp` and `custom_vjp`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> f = amp(lambda x, w: jax.nn.relu(x @ w), "p=f32,c=bf16,o=f32")
+  >>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
+  dtype('float32')
+  >>> jax.make_jaxpr(f)(jnp.ones((2, 3)), jnp.ones((3, 4))).eqns[2].primitive
+  amp_dot_general
+
+  Args:
+    fn: any JAX function (plain JAX, Flax, Equinox).
+    policy: a `Policy` or spec string governing the whole call; ``None`` lets
+      only registry name patterns (on `jax.named_scope`s) and the ``full``
+      rule act.
+    rules: an `OpRules` table; `DEFAULT_RULES` if ``None``.
+
+  Returns:
+    A function with ``fn``'s signature. Non-array arguments (Python scalars,
+    bools, strings, None) are passed through as static values.
+
+  See also: `full_precision`, `OpRules`, `explain`, `transform_amp`.
+  """
+  return interpret(fn, policy=policy, rules=rules, cast_outputs=True)
+
+
+class full_precision(contextlib.ContextDecorator):  # pylint: disable=invalid-name
+  """Context manager and decorator: inside, everything runs as written.
+
+  The op rules are off in the block: no half matmuls, no float32 safety net;
+  code on float32 inputs runs in float32.
+
+  >>> import jax, jax.numpy as jnp
+  >>> def f(x, w):
+  ...   with full_precision():
+  ...     return x @ w
+  >>> f = amp(f, "p=f32,c=bf16,o=f32")
+  >>> jax.make_jaxpr(f)(jnp.ones((2, 3)), jnp.ones((3, 4))).eqns[0].primitive
+  dot_general
+
+  Also usable as ``@full_precision()`` or ``@full_precision``.
+
+  See also: `amp`, `set_policy`.
+  """
+
+  def __new__(cls, fn: Optional[Callable[..., Any]] = None):
+    self = super().__new__(cls)
+    if fn is not None:  # Used bare, as `@full_precision`.
+      self.__init__()
+      return self(fn)
+    return self
+
+  def __init__(self, fn: Optional[Callable[..., Any]] = None):
+    del fn
+    self._stack: list[contextlib.ExitStack] = []
+
+  def __enter__(self):
+    stack = contextlib.ExitStack()
+    stack.enter_context(regions.tagged(regions.FULL_PRECISION))
+    self._stack.append(stack)
+    return self
+
+  def __exit__(self, *exc):
+    return self._stack.pop().__exit__(*exc)
