@@ -204,6 +204,14 @@ def scaled_value_and_grad(
   it returns a fifth element: `nonfinite_flags(grads)` (all-reduced over
   `axis_name`), a pytree of boolean scalars for `nonfinite_paths`.
 
+  Under `shard_map` (JAX's default `check_vma=True`), AD already sums the
+  gradients of replicated (`P()`) params over the mesh axis: they arrive
+  identical on every device and the mean leaves them as they are, i.e. the
+  gradient of the *sum* of the per-device losses (divide the loss by
+  `lax.axis_size` for the mean). Under `pmap`, and for params marked
+  varying with `lax.pvary`, the per-device gradients are averaged here.
+  Either way the flag and the new loss scale are the same on every device.
+
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
