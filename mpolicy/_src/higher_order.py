@@ -32,7 +32,8 @@ class UnsupportedPrimitiveError(NotImplementedError):
 
 
 def _dtype(x) -> np.dtype:
-  return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+  dtype = getattr(x, "dtype", None)
+  return np.asarray(x).dtype if dtype is None else dtype
 
 
 def _is_float(dtype) -> bool:

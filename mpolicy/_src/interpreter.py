@@ -102,7 +102,8 @@ def interpreter_ran() -> bool:
 
 
 def _dtype(x) -> np.dtype:
-  return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+  dtype = getattr(x, "dtype", None)
+  return np.asarray(x).dtype if dtype is None else dtype
 
 
 def _is_float(dtype) -> bool:
@@ -400,6 +401,26 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
+class _Static:
+  """Non-array arguments as a jit static argument (hashed by value)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def hashable(self) -> bool:
+    try:
+      hash(self)
+      return True
+    except TypeError:
+      return False
+
+  def __hash__(self):
+    return hash(self.value)
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and self.value == other.value
+
+
 def interpret(fn: Callable[..., Any], *, policy=None,
               rules: Optional[op_rules_lib.OpRules] = None,
               cast_outputs: bool = True) -> Callable[..., Any]:
@@ -432,12 +453,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
            regions.Region(policy=pol, decided_by=f"amp(policy={pol})"))
   config = _Config(rules=rules, outer=outer)
 
-  @functools.wraps(fn)
-  def interpreted(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    traced = [_is_array_leaf(x) for x in leaves]
-    arrays = [x for x, t in zip(leaves, traced) if t]
-
+  def run(leaves, treedef, traced, arrays):
     def flat_fn(*arrs):
       it = iter(arrs)
       full = [next(it) if t else x for x, t in zip(leaves, traced)]
@@ -459,6 +475,23 @@ def interpret(fn: Callable[..., Any], *, policy=None,
         out = env.cast(out, target)
       final.append(out)
     return jax.tree_util.tree_unflatten(out_tree, final)
+
+  # Called eagerly, the interpreted program is compiled once per signature
+  # rather than dispatched primitive by primitive.
+  jitted = jax.jit(lambda static, arrays: run(*static.value, arrays),
+                   static_argnums=0)
+
+  @functools.wraps(fn)
+  def interpreted(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = tuple(_is_array_leaf(x) for x in leaves)
+    arrays = [x for x, t in zip(leaves, traced) if t]
+    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+      static = _Static((tuple(None if t else x for x, t in zip(leaves, traced)),
+                        treedef, traced))
+      if static.hashable():
+        return jitted(static, arrays)
+    return run(leaves, treedef, traced, arrays)
 
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
   return interpreted
