@@ -1,0 +1,209 @@
+"""Specification: the op rules reach inside higher-order primitives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mpolicy._src import jax_compat
+from mpolicy._src.higher_order import UnsupportedPrimitiveError
+from mpolicy._src.interpreter import amp
+from mpolicy._src.interpreter import full_precision
+
+HALF = "p=f32,c=bf16,o=f32"
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+X = jnp.linspace(-1, 1, 12, dtype=F32).reshape(3, 4)
+W = jnp.linspace(-0.5, 0.5, 16, dtype=F32).reshape(4, 4)
+
+
+def all_eqns(fn, *args):
+  out = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      out.append(eqn)
+      for sub in jax_compat.jaxprs_in_params(eqn.params):
+        walk(getattr(sub, "jaxpr", sub))
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+def dot_dtypes(fn, *args):
+  """Operand dtypes of every matmul, forward and backward."""
+  return [tuple(np.dtype(v.aval.dtype) for v in e.invars)
+          for e in all_eqns(fn, *args) if "dot_general" in e.primitive.name]
+
+
+def exp_dtypes(fn, *args):
+  return [np.dtype(e.invars[0].aval.dtype)
+          for e in all_eqns(fn, *args) if e.primitive.name == "exp"]
+
+
+def check(fn, *, exp=False):
+  """Matmuls in half, exp in f32, forward and under grad; values close."""
+  f = amp(fn, HALF)
+  grad = jax.grad(f, argnums=(0, 1))
+  for g in (f, grad):
+    dots = dot_dtypes(g, X, W)
+    assert dots and all(d == (BF16, BF16) for d in dots), dots
+    if exp:
+      assert exp_dtypes(g, X, W) and set(exp_dtypes(g, X, W)) == {F32}
+  np.testing.assert_allclose(f(X, W), fn(X, W), rtol=3e-2, atol=3e-2)
+  for a, b in zip(grad(X, W), jax.grad(fn, argnums=(0, 1))(X, W)):
+    assert a.dtype == F32
+    np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
+
+
+def test_jit():
+  check(lambda x, w: jax.jit(lambda a, b: jnp.exp(a @ b))(x, w).sum(), exp=True)
+
+
+def test_nested_jit():
+  inner = jax.jit(lambda a, b: jnp.exp(a @ b))
+  check(lambda x, w: jax.jit(lambda a, b: inner(a, b) * 2)(x, w).sum(), exp=True)
+
+
+def test_scan_carry_keeps_dtype():
+  def fn(x, w):
+    def body(c, r):
+      return jnp.tanh(c @ w) + r, jnp.exp(c).sum()
+    c, ys = jax.lax.scan(body, x, jnp.ones((2, 3, 4)))
+    return c.sum() + ys.sum()
+  check(fn, exp=True)
+  (scan,) = [e for e in all_eqns(amp(fn, HALF), X, W) if e.primitive.name == "scan"]
+  body = scan.params["jaxpr"]
+  assert body.in_avals[0].dtype == body.out_avals[0].dtype == F32
+
+
+def test_fori_loop():
+  check(lambda x, w: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x).sum())
+
+
+def test_while_loop_forward():
+  def fn(x, w):
+    return jax.lax.while_loop(lambda s: s[0] < 3,
+                              lambda s: (s[0] + 1, jnp.tanh(s[1] @ w)), (0, x))[1]
+  f = amp(fn, HALF)
+  assert dot_dtypes(f, X, W) == [(BF16, BF16)]
+  (loop,) = [e for e in all_eqns(f, X, W) if e.primitive.name == "while"]
+  assert loop.params["body_jaxpr"].out_avals[1].dtype == F32
+  np.testing.assert_allclose(f(X, W), fn(X, W), atol=3e-2)
+
+
+def test_cond_branches_agree_on_widest_dtype():
+  def fn(x, w):
+    return jax.lax.cond(x.sum() > 0, lambda a: a @ w, lambda a: jnp.exp(a), x).sum()
+  check(fn, exp=True)
+  (cond,) = [e for e in all_eqns(amp(fn, HALF), X, W) if e.primitive.name == "cond"]
+  assert {b.out_avals[0].dtype for b in cond.params["branches"]} == {F32}
+
+
+def test_switch():
+  branches = [lambda a, w: a @ w, lambda a, w: jnp.exp(a), lambda a, w: a]
+  check(lambda x, w: jax.lax.switch(0, branches, x, w).sum(), exp=True)
+
+
+def test_remat_keeps_its_policy():
+  pol = jax.checkpoint_policies.nothing_saveable
+  fn = lambda x, w: jax.checkpoint(lambda a: jnp.exp(a @ w), policy=pol)(x).sum()
+  check(fn, exp=True)
+  (remat,) = [e for e in all_eqns(amp(fn, HALF), X, W) if e.primitive.name == "remat2"]
+  assert remat.params["policy"] is pol
+
+
+@jax.custom_jvp
+def _sin_with_fake_jvp(x):
+  return jnp.sin(x)
+
+
+@_sin_with_fake_jvp.defjvp
+def _fake_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _sin_with_fake_jvp(x), 3.0 * t  # Not cos(x): the custom rule.
+
+
+def test_custom_jvp_keeps_custom_derivative():
+  fn = lambda x, w: _sin_with_fake_jvp(x @ w).sum()
+  f = amp(fn, HALF)
+  gx = jax.grad(f)(X, W)
+  expected = jax.grad(lambda x: (3.0 * (x @ W)).sum())(X)
+  np.testing.assert_allclose(gx, expected, rtol=2e-2)
+  assert all(d == (BF16, BF16) for d in dot_dtypes(jax.grad(f), X, W))
+
+
+def test_custom_jvp_forward_mode():
+  f = amp(lambda x, w: _sin_with_fake_jvp(x @ w).sum(), HALF)
+  w = W + 1.0
+  _, tangent = jax.jvp(lambda x: f(x, w), (X,), (jnp.ones_like(X),))
+  np.testing.assert_allclose(tangent, (3.0 * (jnp.ones_like(X) @ w)).sum(),
+                             rtol=3e-2)
+  jac = jax.jacfwd(lambda x: f(x, w))(X)
+  np.testing.assert_allclose(jac, jax.grad(lambda x: f(x, w))(X), rtol=1e-2)
+
+
+@jax.custom_vjp
+def _sin_with_fake_vjp(x):
+  return jnp.sin(x)
+
+
+def _fwd(x):
+  return jnp.sin(x), jnp.exp(x)
+
+
+def _bwd(res, g):
+  return (g * 0.0 + 5.0,)  # Not cos(x): the custom rule.
+
+
+_sin_with_fake_vjp.defvjp(_fwd, _bwd)
+
+
+def test_custom_vjp_keeps_custom_bwd_and_interprets_fwd():
+  fn = lambda x, w: _sin_with_fake_vjp(x @ w).sum()
+  f = amp(fn, HALF)
+  gw = jax.grad(f, argnums=1)(X, W)
+  expected = jax.grad(lambda w: (5.0 * (X @ w)).sum())(W)
+  np.testing.assert_allclose(gw, expected, rtol=2e-2)
+  assert F32 in exp_dtypes(jax.grad(f, argnums=1), X, W)  # fwd ran the rules.
+
+
+def test_shard_map_one_device_mesh():
+  mesh = jax.make_mesh((1,), ("d",))
+  def fn(x, w):
+    g = jax.shard_map(lambda a, b: jnp.exp(a @ b), mesh=mesh,
+                      in_specs=(P(), P()), out_specs=P())
+    return g(x, w).sum()
+  check(fn, exp=True)
+
+
+def test_pmap_one_device():
+  f = amp(lambda x, w: jnp.exp(x @ w), HALF)
+  g = jax.pmap(lambda x: f(x, W))
+  assert dot_dtypes(g, X[None]) == [(BF16, BF16)]
+  np.testing.assert_allclose(g(X[None])[0], jnp.exp(X @ W), rtol=3e-2)
+
+
+def test_vmap_inside():
+  fn = lambda x, w: jax.vmap(lambda r: jnp.exp(r @ w))(x).sum()
+  check(fn, exp=True)
+
+
+def _toy_hop():
+  prim = jax_compat.new_primitive("toy_hop")
+  prim.def_impl(lambda x, *, jaxpr: x)
+  prim.def_abstract_eval(lambda x, *, jaxpr: x)
+  jax_compat.define_lowering(prim, lambda x, *, jaxpr: x)
+  return prim
+
+
+def test_unknown_higher_order_primitive_raises_clearly():
+  prim = _toy_hop()
+  inner = jax.make_jaxpr(jnp.sin)(1.0)
+  fn = lambda x: prim.bind(x, jaxpr=inner)
+  with pytest.raises(UnsupportedPrimitiveError, match="toy_hop"):
+    amp(fn, HALF)(X)
+  # Inside full_precision() it runs as written.
+  np.testing.assert_array_equal(amp(full_precision()(fn), HALF)(X), X)
