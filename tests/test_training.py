@@ -263,6 +263,19 @@ def test_skip_nonfinite_then_finite_step_resets_the_run_count():
   assert bool(state.last_finite)
 
 
+def test_for_accumulation_optax_multisteps_drops_a_bad_mini_batch():
+  # The recommendation in `skip_nonfinite`'s docstring, checked.
+  tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2,
+                        should_skip_update_fn=optax.skip_not_finite)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.ones(2)}, state, params)
+  _, bad_state = tx.update({"w": jnp.array([jnp.nan, 1.])}, state, params)
+  assert _same_bits(bad_state.inner_opt_state, state.inner_opt_state)
+  assert _same_bits(bad_state.acc_grads, state.acc_grads)
+  assert int(bad_state.mini_step) == int(state.mini_step) == 1
+
+
 def test_update_if_finite_keeps_everything_on_a_bad_step():
   tx = optax.adam(1e-2)
   params, state = _adam_state_after_steps(tx, {"w": jnp.ones(3)})
