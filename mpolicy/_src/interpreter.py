@@ -326,7 +326,9 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
   elif (op_class == op_rules_lib.LOWER and policy is not None
         and _is_half(policy.compute_dtype)
         and any(_is_float(_dtype(a)) for a in args)):
-    outs = _lower(env, eqn, args, np.dtype(policy.compute_dtype))
+    compute = np.dtype(policy.compute_dtype)
+    args = [env.cast(a, compute) if _is_float(_dtype(a)) else a for a in args]
+    outs = _lower(env, eqn, args, compute)
     rule = "lower"
     why = f"lower ({config.rules.reason_of(prim.name)}); policy from {region.decided_by}"
   elif op_class == op_rules_lib.FULL:

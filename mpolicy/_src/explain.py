@@ -1,0 +1,138 @@
+"""Inspection: which dtype each primitive ran in, and who decided (API §6).
+
+`explain` traces a function once with the interpreter's recording on and
+turns what the interpreter decided into a `Report`: one row per primitive,
+plus totals. It only reads decisions; it never changes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from mpolicy._src import interpreter
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One primitive the interpreter ran.
+
+  Attributes:
+    scope: the name scope it was traced under (``""`` at top level).
+    module_class: the Haiku module class whose call it is in, if known.
+    primitive: the primitive's name, e.g. ``"dot_general"``.
+    in_dtypes: the dtypes of its inputs as they arrived.
+    ran_in: the floating dtype(s) it ran in (output dtype if no float input).
+    rule: ``"lower"``, ``"full"``, ``"promote"``, ``"inputs"``,
+      ``"explicit cast"`` or ``"as written"``.
+    decided_by: the rule's reason and the registry entry or policy in force.
+    casts: casts the interpreter inserted for it.
+  """
+  scope: str
+  module_class: Optional[str]
+  primitive: str
+  in_dtypes: tuple[str, ...]
+  ran_in: str
+  rule: str
+  decided_by: str
+  casts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What `explain` found: rows and totals.
+
+  Attributes:
+    rows: one `Row` per primitive run, in trace order.
+    note: how the function was interpreted (e.g. wrapped in `amp`).
+  """
+  rows: tuple[Row, ...]
+  note: str = ""
+
+  @property
+  def casts_inserted(self) -> int:
+    """Casts the interpreter added (not those written in the code)."""
+    return sum(r.casts for r in self.rows)
+
+  @property
+  def ops_per_dtype(self) -> dict[str, int]:
+    """How many primitives ran in each dtype."""
+    return dict(collections.Counter(r.ran_in for r in self.rows))
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain data (lists, dicts, strings, ints) for logging or JSON."""
+    return {
+        "rows": [dataclasses.asdict(r) | {"in_dtypes": list(r.in_dtypes)}
+                 for r in self.rows],
+        "totals": {"casts_inserted": self.casts_inserted,
+                   "ops_per_dtype": self.ops_per_dtype,
+                   "ops": len(self.rows)},
+        "note": self.note,
+    }
+
+  def __str__(self) -> str:
+    header = ("scope", "module", "primitive", "inputs", "ran in", "decided by")
+    lines = [(r.scope or "-", r.module_class or "-", r.primitive,
+              ",".join(r.in_dtypes) or "-", r.ran_in, r.decided_by)
+             for r in self.rows]
+    widths = [max([len(h)] + [len(l[i]) for l in lines])
+              for i, h in enumerate(header[:-1])]
+
+    def fmt(cols):
+      return "  ".join(c.ljust(w) for c, w in zip(cols, widths)) + "  " + cols[-1]
+
+    out = [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 10,))]
+    out += [fmt(l) for l in lines]
+    per = ", ".join(f"{d}: {n}" for d, n in sorted(self.ops_per_dtype.items()))
+    out.append(f"{len(self.rows)} ops ({per}); "
+               f"{self.casts_inserted} casts inserted")
+    if self.note:
+      out.append(self.note)
+    return "\n".join(out)
+
+
+def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
+  """Traces ``fn(*args, **kwargs)`` and reports the dtype of every primitive.
+
+  ``fn`` is an `amp`-ed function or the ``apply`` of `transform_amp`. Any
+  other function is explained as ``amp(fn)`` (no policy), which the report
+  notes. Nothing is computed: ``fn`` is only traced.
+
+  >>> import jax.numpy as jnp
+  >>> from mpolicy._src.interpreter import amp
+  >>> f = amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
+  >>> report = explain(f, jnp.ones((2, 3)), jnp.ones((3, 4)))
+  >>> [(r.primitive, r.ran_in) for r in report.rows if r.rule != "explicit cast"]
+  [('dot_general', 'bfloat16'), ('exp', 'float32')]
+
+  See also: `amp`, `transform_amp`, `explain_policy`.
+  """
+  note = ""
+  with interpreter.recording() as rows:
+    _trace(fn, args, kwargs)
+    ran = interpreter.interpreter_ran()
+  if not ran:
+    note = ("note: the function was not amp-ed; explained as amp(fn) "
+            "without a policy")
+    with interpreter.recording() as rows:
+      _trace(interpreter.amp(fn), args, kwargs)
+  return Report(rows=tuple(Row(**dataclasses.asdict(d)) for d in rows),
+                note=note)
+
+
+def _trace(fn, args, kwargs) -> None:
+  """Traces ``fn`` on the array leaves; other leaves stay static."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+
+  def flat(*arrays):
+    it = iter(arrays)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    return fn(*a, **k)
+
+  jax.make_jaxpr(flat)(*[x for x, a in zip(leaves, is_array) if a])

@@ -1,0 +1,80 @@
+"""Specification of `explain` and `Report` (API §6)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+from mpolicy._src.explain import explain
+from mpolicy._src.explain import Report
+from mpolicy._src.interpreter import amp
+from mpolicy._src.interpreter import full_precision
+
+HALF = "p=f32,c=bf16,o=f32"
+X, W = jnp.ones((2, 3)), jnp.ones((3, 4))
+
+
+def _fn(x, w, *, scale=1.0):
+  with jax.named_scope("block"):
+    h = x @ w
+  with full_precision():
+    g = x @ w
+  return jnp.exp(h * scale).sum() + g.sum()
+
+
+def _rows(report, primitive):
+  return [r for r in report.rows if r.primitive == primitive]
+
+
+def test_rows_say_dtype_and_who_decided():
+  report = explain(amp(_fn, HALF), X, W, scale=2.0)
+  assert isinstance(report, Report)
+  lowered, as_written = _rows(report, "dot_general")
+  assert lowered.ran_in == "bfloat16" and lowered.rule == "lower"
+  assert lowered.scope == "block" and lowered.in_dtypes == ("float32", "float32")
+  assert "amp(policy=p=f32,c=bf16,o=f32)" in lowered.decided_by
+  assert lowered.casts == 2
+  assert as_written.ran_in == "float32" and as_written.rule == "as written"
+  assert "full_precision()" in as_written.decided_by
+  (exp,) = _rows(report, "exp")
+  assert exp.rule == "full" and exp.ran_in == "float32"
+  assert exp.in_dtypes == ("bfloat16",)
+
+
+def test_totals():
+  report = explain(amp(_fn, HALF), X, W)
+  assert report.casts_inserted == sum(r.casts for r in report.rows) >= 3
+  per = report.ops_per_dtype
+  assert per["bfloat16"] >= 2 and per["float32"] >= 3
+  assert sum(per.values()) == len(report.rows)
+
+
+def test_str_is_a_readable_table():
+  text = str(explain(amp(_fn, HALF), X, W))
+  first = text.splitlines()[0]
+  for col in ("scope", "primitive", "inputs", "ran in", "decided by"):
+    assert col in first
+  assert "dot_general" in text and "casts inserted" in text
+
+
+def test_to_dict_is_plain_data():
+  data = explain(amp(_fn, HALF), X, W).to_dict()
+  json.dumps(data)
+  assert data["totals"]["ops"] == len(data["rows"])
+  assert {"scope", "primitive", "in_dtypes", "ran_in", "decided_by"} <= set(
+      data["rows"][0])
+
+
+def test_rows_inside_higher_order_primitives():
+  f = amp(lambda x, w: jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ w.T), None),
+                                    x, None, length=2)[0], HALF)
+  report = explain(f, X, W)
+  assert {r.ran_in for r in _rows(report, "dot_general")} == {"bfloat16"}
+
+
+def test_plain_function_is_explained_as_amp():
+  report = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
+  assert "not amp-ed" in report.note
+  assert _rows(report, "exp")[0].ran_in == "float32"
