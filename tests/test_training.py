@@ -132,6 +132,15 @@ def test_overflowing_float16_backward_is_flagged_and_scale_backs_off():
   assert grads.dtype == jnp.float32
 
 
+def test_a_float16_loss_is_scaled_without_overflowing():
+  # 8 * 2**15 overflows float16, but each gradient element (2**15) fits.
+  loss_fn = lambda w: jnp.sum(w.astype(jnp.float16))
+  ls, finite, loss, grads = training.scaled_value_and_grad(loss_fn)(
+      DynamicLossScale(2. ** 15), jnp.ones(8))
+  assert bool(finite) and loss.dtype == jnp.float16 and float(loss) == 8.
+  assert grads.tolist() == [1.] * 8 and float(ls.loss_scale) == 2. ** 15
+
+
 def test_non_scalar_loss_is_rejected_with_what_is_accepted():
   grad_fn = training.scaled_value_and_grad(lambda w: w * 2.)
   with pytest.raises(TypeError) as e:
