@@ -133,7 +133,8 @@ def test_overflowing_float16_backward_is_flagged_and_scale_backs_off():
 
 
 def test_a_float16_loss_is_scaled_without_overflowing():
-  # 8 * 2**15 overflows float16, but each gradient element (2**15) fits.
+  # The scaled loss 8 * 2**15 overflows float16, but AD only uses the
+  # cotangent, and each gradient element (2**15) fits.
   loss_fn = lambda w: jnp.sum(w.astype(jnp.float16))
   ls, finite, loss, grads = training.scaled_value_and_grad(loss_fn)(
       DynamicLossScale(2. ** 15), jnp.ones(8))

@@ -186,8 +186,7 @@ def scaled_value_and_grad(
 
   1. evaluates `fun(*args, **kwargs)` and differentiates
      `loss_scale.scale(loss)` with respect to `args[argnums]` (the loss
-     scale is not counted in `argnums`); a half-precision loss is scaled in
-     float32, so only the gradients, not the scaled loss, can overflow;
+     scale is not counted in `argnums`);
   2. unscales the gradients, each leaf back in its own dtype (the dtype of
      the parameter it belongs to), or in `grad_dtype` if given;
   3. with `axis_name` (inside `pmap` or `shard_map`): averages the gradients
@@ -262,10 +261,9 @@ def scaled_value_and_grad(
     else:
       loss, aux = out, None
     _check_loss(loss)
-    # Scale in at least float32: a float16 loss of 4 times a scale of 2**15
-    # would overflow in float16, though its gradient need not.
-    wide = jnp.asarray(loss).astype(jnp.promote_types(loss.dtype, jnp.float32))
-    return loss_scale.scale(wide), (loss, aux)
+    # Only the cotangent matters: the scaled loss's value is never used, so
+    # it may overflow (e.g. a float16 loss of 8 times 2**15) harmlessly.
+    return loss_scale.scale(loss), (loss, aux)
 
   def g(loss_scale: LossScale, *args, **kwargs):
     _check_differentiable(args, argnums)
