@@ -31,16 +31,39 @@ from mpolicy._src.haiku_bridge import transform_amp
 from mpolicy._src.haiku_bridge import transform_amp_with_state
 from mpolicy._src.haiku_bridge import with_policies
 
+from mpolicy._src.training import init_master_weights
+from mpolicy._src.training import keep_dtypes
+from mpolicy._src.training import make_train_step
+from mpolicy._src.training import master_weights
+from mpolicy._src.training import MasterWeightsState
+from mpolicy._src.training import nonfinite_flags
+from mpolicy._src.training import nonfinite_paths
+from mpolicy._src.training import params_from_master
+from mpolicy._src.training import scaled_value_and_grad
+from mpolicy._src.training import skip_nonfinite
+from mpolicy._src.training import SkipNonFiniteState
+from mpolicy._src.training import TrainStepResult
+from mpolicy._src.training import update_if_finite
+
+from mpolicy._src.checkpoint import arrays_to_tree
+from mpolicy._src.checkpoint import restore_checkpoint
+from mpolicy._src.checkpoint import save_checkpoint
+from mpolicy._src.checkpoint import tree_to_arrays
+
 __version__ = "0.1.0"
 
 __all__ = (
     "DynamicLossScale",
     "LossScale",
+    "MasterWeightsState",
     "NoOpLossScale",
     "Policy",
     "PolicyExplanation",
+    "SkipNonFiniteState",
     "StaticLossScale",
+    "TrainStepResult",
     "all_finite",
+    "arrays_to_tree",
     "cast_to_full",
     "cast_to_half",
     "clear_policies",
@@ -49,11 +72,24 @@ __all__ = (
     "explain_policy",
     "get_policy",
     "half_dtype",
+    "init_master_weights",
+    "keep_dtypes",
+    "make_train_step",
+    "master_weights",
+    "nonfinite_flags",
+    "nonfinite_paths",
+    "params_from_master",
     "policy_for",
     "push_policy",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "scaled_value_and_grad",
     "select_tree",
     "set_policy",
+    "skip_nonfinite",
     "transform_amp",
     "transform_amp_with_state",
+    "tree_to_arrays",
+    "update_if_finite",
     "with_policies",
 )
