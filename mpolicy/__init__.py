@@ -26,6 +26,16 @@ from mpolicy._src.registry import policy_for
 from mpolicy._src.registry import push_policy
 from mpolicy._src.registry import set_policy
 
+from mpolicy._src.op_rules import DEFAULT_RULES
+from mpolicy._src.op_rules import OpRules
+
+from mpolicy._src.interpreter import amp
+from mpolicy._src.interpreter import full_precision
+from mpolicy._src.higher_order import UnsupportedPrimitiveError
+
+from mpolicy._src.explain import explain
+from mpolicy._src.explain import Report
+
 from mpolicy._src.haiku_bridge import current_policy
 from mpolicy._src.haiku_bridge import transform_amp
 from mpolicy._src.haiku_bridge import transform_amp_with_state
@@ -53,23 +63,30 @@ from mpolicy._src.checkpoint import tree_to_arrays
 __version__ = "0.1.0"
 
 __all__ = (
+    "DEFAULT_RULES",
     "DynamicLossScale",
     "LossScale",
     "MasterWeightsState",
     "NoOpLossScale",
+    "OpRules",
     "Policy",
     "PolicyExplanation",
+    "Report",
     "SkipNonFiniteState",
     "StaticLossScale",
     "TrainStepResult",
+    "UnsupportedPrimitiveError",
     "all_finite",
+    "amp",
     "arrays_to_tree",
     "cast_to_full",
     "cast_to_half",
     "clear_policies",
     "clear_policy",
     "current_policy",
+    "explain",
     "explain_policy",
+    "full_precision",
     "get_policy",
     "half_dtype",
     "init_master_weights",

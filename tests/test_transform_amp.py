@@ -28,10 +28,14 @@ def _leaf_dtypes(tree):
 
 
 def _eqns(jaxpr, name):
-  """All equations with primitive ``name``, recursing into sub-jaxprs."""
+  """All equations with primitive ``name``, recursing into sub-jaxprs.
+
+  The interpreter runs lowered matmuls as its own ``amp_<name>`` primitive
+  (half inputs, float32 accumulation), which counts as ``name`` here.
+  """
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name:
+    if eqn.primitive.name in (name, "amp_" + name):
       found.append(eqn)
     for sub in jax.core.subjaxprs(eqn.params) if hasattr(
         jax.core, "subjaxprs") else _subjaxprs(eqn.params):
