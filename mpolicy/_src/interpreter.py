@@ -403,14 +403,6 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
-def _registry_state():
-  """The registry's entries, hashable: a new trace when they change."""
-  snapshot = getattr(registry, "_REGISTRY", None)
-  if snapshot is None:
-    return None
-  return frozenset(snapshot.snapshot().items())
-
-
 class _Static:
   """Non-array arguments as a jit static argument (hashed by value)."""
 
@@ -498,7 +490,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     arrays = [x for x, t in zip(leaves, traced) if t]
     if not any(isinstance(x, jax.core.Tracer) for x in arrays):
       static = _Static((tuple(None if t else x for x, t in zip(leaves, traced)),
-                        treedef, traced, _registry_state()))
+                        treedef, traced, registry.state_key()))
       if static.hashable():
         return jitted(static, arrays)
     return run(leaves, treedef, traced, arrays)

@@ -437,3 +437,11 @@ def default_region() -> Optional[regions.Region]:
   if policy is None:
     return None
   return regions.Region(policy=policy, decided_by="default hk.Module")
+
+
+def state_key() -> frozenset:
+  """A hashable snapshot of the entries in force for this thread.
+
+  Compiled programs keyed on it are retraced when the registry changes.
+  """
+  return frozenset(_REGISTRY.snapshot().items())
