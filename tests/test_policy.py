@@ -316,20 +316,36 @@ def test_cast_to_full_and_half():
 # --- half_dtype and helpers ---------------------------------------------------
 
 
-def test_half_dtype_is_bfloat16_on_cpu_and_tpu():
-  platform = jax.local_devices()[0].platform
-  if platform not in ("cpu", "tpu"):
-    pytest.skip("GPU choice depends on compute capability")
-  assert policy_lib.half_dtype() is jnp.bfloat16
+class _FakeDevice:
+
+  def __init__(self, platform, compute_capability=None):
+    self.platform = platform
+    if compute_capability is not None:
+      self.compute_capability = compute_capability
 
 
-def test_half_dtype_on_gpu_follows_compute_capability():
-  device = jax.local_devices()[0]
-  if device.platform != "gpu":
-    pytest.skip("no GPU")
-  major = int(str(device.compute_capability).split(".")[0])
-  expected = jnp.bfloat16 if major >= 8 else jnp.float16
+@pytest.mark.parametrize("device, expected", [
+    (_FakeDevice("cpu"), jnp.bfloat16),
+    (_FakeDevice("tpu"), jnp.bfloat16),
+    (_FakeDevice("gpu", "8.0"), jnp.bfloat16),
+    (_FakeDevice("cuda", "9.0"), jnp.bfloat16),
+    (_FakeDevice("gpu", "7.5"), jnp.float16),
+    (_FakeDevice("gpu", "unknown"), jnp.float16),
+    (_FakeDevice("rocm"), jnp.float16),
+])
+def test_half_dtype_follows_the_backend(monkeypatch, device, expected):
+  monkeypatch.setattr(jax, "local_devices", lambda: [device])
   assert policy_lib.half_dtype() is expected
+
+
+def test_half_dtype_on_this_machine():
+  device = jax.local_devices()[0]
+  if device.platform in ("cpu", "tpu"):
+    assert policy_lib.half_dtype() is jnp.bfloat16
+  else:
+    major = int(str(device.compute_capability).split(".")[0])
+    expected = jnp.bfloat16 if major >= 8 else jnp.float16
+    assert policy_lib.half_dtype() is expected
 
 
 def test_is_float_array():
