@@ -125,6 +125,8 @@ class OpRules:
   ('full', 'lower')
   >>> rules.class_of("add") is None
   True
+  >>> "exp" in DEFAULT_RULES.full and "dot_general" in DEFAULT_RULES.lower
+  True
 
   See also: `DEFAULT_RULES`, `amp`, `explain` (which shows `reason_of`).
   """
@@ -150,6 +152,21 @@ class OpRules:
     if op_class not in CLASSES:
       raise ValueError(f"op class must be one of {CLASSES}, got {op_class!r}")
     return frozenset(n for n, (c, _) in self._table.items() if c == op_class)
+
+  @property
+  def lower(self) -> frozenset[str]:
+    """Primitives run in the compute dtype (float32 accumulation)."""
+    return self.names(LOWER)
+
+  @property
+  def full(self) -> frozenset[str]:
+    """Primitives always run in float32."""
+    return self.names(FULL)
+
+  @property
+  def promote(self) -> frozenset[str]:
+    """Primitives run in the widest floating dtype among their inputs."""
+    return self.names(PROMOTE)
 
   def with_ops(self, *, lower: Optional[Names] = None,
                full: Optional[Names] = None,
