@@ -619,7 +619,7 @@ def report_model(spec, results, args) -> str:
         f"{_fmt_ratio(comp_f32, TARGET_COMPILE_VS_F32 if is_mp else None)} | "
         f"{_fmt_s(r.first_call_s)} | {conv} | {r.hlo.cast_only_fusions} | "
         f"{r.hlo.instructions} | "
-        f"{r.jaxpr.converts} | {r.final_loss:.4f} |")
+        f"{r.jaxpr.converts} | {r.final_loss:.4g} |")
   out.append("")
   mp = results.get("mpolicy")
   if mp and mp.status == "ok" and f32 and jm and jm.status == "ok":
