@@ -451,14 +451,11 @@ def _block(tree):
   return jax.tree_util.tree_map(lambda x: x.block_until_ready(), tree)
 
 
-def compile_once(spec, variant, opt, params, opt_state, record=None,
-                 jit_first_call=True):
-  """Times trace+lower, XLA compile and the first call of a fresh jit.
+def compile_once(spec, variant, opt, params, opt_state, record):
+  """Times trace+lower, XLA compile, and the first call of a fresh jit.
 
-  With ``jit_first_call`` the first call is that of a second, fresh
-  ``jax.jit(step)`` (trace + compile + one step); without it, it is
-  lower + compile + the first execution of the compiled step (one compile
-  instead of two, for --quick).
+  Two fresh step functions: one for `jax.jit(step).lower(...).compile()`,
+  one for the first call of `jax.jit(step)` (trace + compile + one step).
   """
   _, loss_fn = variant.build(spec.forward)
   step = make_step(loss_fn, opt)
@@ -466,24 +463,18 @@ def compile_once(spec, variant, opt, params, opt_state, record=None,
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(params, opt_state, spec.batch)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    lowered.compile()
     t2 = time.perf_counter()
-  _block(compiled(params, opt_state, spec.batch))
-  t3 = time.perf_counter()
-  first = t3 - t0
-  if jit_first_call:
-    _, loss_fn2 = variant.build(spec.forward)
-    step2 = make_step(loss_fn2, opt)
-    with variant.policy(spec.model_cls):
-      jitted = jax.jit(step2)
-      t4 = time.perf_counter()
-      _block(jitted(params, opt_state, spec.batch))
-      first = time.perf_counter() - t4
-  if record is not None:
-    record.lower_s.append(t1 - t0)
-    record.compile_s.append(t2 - t1)
-    record.first_call_s.append(first)
-  return compiled, step
+  _, loss_fn2 = variant.build(spec.forward)
+  step2 = make_step(loss_fn2, opt)
+  with variant.policy(spec.model_cls):
+    jitted = jax.jit(step2)
+    t3 = time.perf_counter()
+    _block(jitted(params, opt_state, spec.batch))
+    t4 = time.perf_counter()
+  record.lower_s.append(t1 - t0)
+  record.compile_s.append(t2 - t1)
+  record.first_call_s.append(t4 - t3)
 
 
 def run_model(spec, variants, args, log):
@@ -499,22 +490,31 @@ def run_model(spec, variants, args, log):
         params = init(key, spec.batch)
       opt_state = opt.init(params)
       r.state = (params, opt_state)
-      # Full runs: a discarded warm-up compile pays JAX's one-time
-      # per-process costs. --quick records this single compile instead.
-      compiled, step = compile_once(
-          spec, v, opt, params, opt_state,
-          record=r if args.quick else None, jit_first_call=False)
-      r.compiled = compiled
+      # Full runs: this first compile is a discarded warm-up that pays JAX's
+      # one-time per-process costs; --quick records it instead.
+      _, loss_fn = v.build(spec.forward)
+      step = make_step(loss_fn, opt)
       with v.policy(spec.model_cls):
+        t0 = time.perf_counter()
+        lowered = jax.jit(step).lower(params, opt_state, spec.batch)
+        t1 = time.perf_counter()
+        r.compiled = lowered.compile()
+        t2 = time.perf_counter()
         r.jaxpr = jaxpr_stats(
             jax.make_jaxpr(step)(params, opt_state, spec.batch).jaxpr)
-      text = compiled.as_text()
+      text = r.compiled.as_text()
       r.hlo = hlo_stats(text)
       if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
         path = os.path.join(args.dump_hlo, f"{spec.name}_{v.key}.hlo.txt")
         with open(path, "w") as f:
           f.write(text)
+      t3 = time.perf_counter()
+      _block(r.compiled(params, opt_state, spec.batch))  # May fail at run time.
+      if args.quick:
+        r.lower_s.append(t1 - t0)
+        r.compile_s.append(t2 - t1)
+        r.first_call_s.append(t2 - t0 + time.perf_counter() - t3)
       live.append(v)
     except ImportError as e:
       r.status = "not installed" if v.key == "jaxamp" else f"failed: {e}"
@@ -646,10 +646,11 @@ def report_model(spec, results, args) -> str:
     out.append(f"#### Profile: {spec.name}")
     out.append("")
     for key, r in results.items():
-      if r.status != "ok":
+      if r.hlo is None or r.jaxpr is None:
         continue
       h, j = r.hlo, r.jaxpr
-      out.append(f"- **{r.variant.label}**: HLO {h.instructions} instrs, "
+      failed = "" if r.status == "ok" else " (compiled, then " + r.status + ")"
+      out.append(f"- **{r.variant.label}**{failed}: HLO {h.instructions} instrs, "
                  f"{h.fusions} fusions ({h.cast_only_fusions} cast-only), "
                  f"{h.converts} converts ({h.converts_in_reducers} inside "
                  f"reducer bodies) {dict(h.convert_pairs)}; compute ops by dtype "
