@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mpolicy._src import lowp
 from mpolicy._src.interpreter import amp
@@ -23,11 +24,16 @@ def mlp(x, w, v):
 
 
 def dot_eqns(closed):
+  return eqns_named(closed, "dot_general")
+
+
+def eqns_named(closed, word):
+  """Equations (recursively) whose primitive name contains ``word``."""
   out = []
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if "dot_general" in eqn.primitive.name:
+      if word in eqn.primitive.name:
         out.append(eqn)
       for v in eqn.params.values():
         for sub in (v if isinstance(v, tuple) else (v,)):
@@ -92,3 +98,173 @@ def test_amp_dot_general_primitive_directly():
   np.testing.assert_array_equal(jax.jit(lowp.amp_dot_general, static_argnames=(
       "dimension_numbers", "precision", "out_dtype"))(
           a, b, dimension_numbers=dn, out_dtype=BF16), ref)
+
+
+# --- Convolutions ---------------------------------------------------------------
+
+DN = ("NHWC", "HWIO", "NHWC")
+_K = jax.random.split(jax.random.key(0), 3)
+IMG = jax.random.normal(_K[0], (2, 8, 8, 3), F32)
+K1 = 0.3 * jax.random.normal(_K[1], (3, 3, 3, 4), F32)
+DEPTHWISE = 4  # feature_group_count of the second conv: C (depthwise) or 1.
+
+
+def conv_kernel2(groups):
+  return 0.3 * jax.random.normal(_K[2], (3, 3, 4 // groups, 4), F32)
+
+
+def convnet(x, k1, k2):
+  """Strided SAME conv, tanh, SAME conv (grouped as k2's shape says)."""
+  y = jnp.tanh(jax.lax.conv_general_dilated(x, k1, (2, 2), "SAME",
+                                            dimension_numbers=DN))
+  groups = y.shape[-1] // k2.shape[2]
+  y = jax.lax.conv_general_dilated(y, k2, (1, 1), "SAME", dimension_numbers=DN,
+                                   feature_group_count=groups)
+  return jnp.sum(jax.nn.log_softmax(y))
+
+
+GROUPS = pytest.mark.parametrize("groups", [1, DEPTHWISE])
+
+
+def conv_grad(fn):
+  return jax.grad(fn, argnums=(0, 1, 2))
+
+
+def hlo_types(hlo):
+  """Element type of every named value in a compiled HLO module's text."""
+  return dict(re.findall(r"(%[\w.\-]+) = \(?([a-z]+[0-9]*)\[", hlo))
+
+
+@GROUPS
+def test_backward_convs_are_half_by_half_in_jaxpr(groups):
+  k2 = conv_kernel2(groups)
+  closed = jax.make_jaxpr(conv_grad(amp(convnet, HALF)))(IMG, K1, k2)
+  convs = eqns_named(closed, "conv_general_dilated")
+  assert len(convs) == 6  # 2 forward + 2 x 2 backward.
+  for eqn in convs:
+    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+
+
+@GROUPS
+def test_backward_convs_accumulate_in_f32_in_hlo(groups):
+  k2 = conv_kernel2(groups)
+  lowered = jax.jit(conv_grad(amp(convnet, HALF))).lower(IMG, K1, k2)
+  convs = [line for line in lowered.as_text().splitlines()
+           if "stablehlo.convolution" in line]
+  assert len(convs) == 6
+  for line in convs:  # "... : (tensor<..>, tensor<..>) -> tensor<..>"
+    sig = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)$",
+                    line)
+    assert sig, line
+    assert "bf16" in sig.group(1) and "bf16" in sig.group(2), line
+    assert "f32" in sig.group(3), line
+  # After XLA's passes no convolution multiplies operands of two dtypes.
+  # XLA:CPU runs bf16 convolutions in f32 (it converts both operands, as it
+  # would for the old f32 x bf16 ones); GPUs keep them bf16.
+  compiled = lowered.compile().as_text()
+  types = hlo_types(compiled)
+  operand_types = []
+  for line in compiled.splitlines():
+    call = re.search(r" convolution\(([^)]*)\)", line)
+    if call:
+      operand_types.append({types[n.strip()] for n in call.group(1).split(",")})
+  assert len(operand_types) == 6
+  for found in operand_types:
+    assert len(found) == 1, compiled
+    if jax.default_backend() == "gpu":
+      assert found == {"bf16"}, compiled
+
+
+@GROUPS
+def test_conv_gradient_values_and_dtypes(groups):
+  k2 = conv_kernel2(groups)
+  got = conv_grad(amp(convnet, HALF))(IMG, K1, k2)
+  want = conv_grad(convnet)(IMG, K1, k2)
+  for a, b in zip(got, want):
+    assert a.dtype == F32
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(a, b, rtol=5e-2, atol=2e-2 * scale)
+
+
+@GROUPS
+def test_conv_jvp_and_jacfwd_work(groups):
+  k2 = conv_kernel2(groups)
+  f = amp(convnet, HALF)
+  ones = jnp.ones_like(K1)
+  _, t = jax.jvp(lambda k: f(IMG, k, k2), (K1,), (ones,))
+  _, t_ref = jax.jvp(lambda k: convnet(IMG, k, k2), (K1,), (ones,))
+  np.testing.assert_allclose(t, t_ref, rtol=5e-2, atol=5e-2)
+  jac = jax.jacfwd(lambda k: f(IMG, K1, k))(k2)
+  want = jax.grad(lambda k: convnet(IMG, K1, k))(k2)
+  np.testing.assert_allclose(jac, want, rtol=5e-2,
+                             atol=2e-2 * float(jnp.max(jnp.abs(want))))
+  closed = jax.make_jaxpr(jax.jacfwd(lambda k: f(IMG, K1, k)))(k2)
+  convs = eqns_named(closed, "conv_general_dilated")
+  assert convs and all(e.primitive is lowp.amp_conv_general_dilated_p
+                       for e in convs)
+
+
+@GROUPS
+@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, 0), (0, 0, 0)])
+def test_vmap_of_conv_grad_keeps_the_primitive(groups, in_axes):
+  k2 = conv_kernel2(groups)
+  args = [jnp.stack([a, 0.5 * a]) if ax == 0 else a
+          for a, ax in zip((IMG, K1, k2), in_axes)]
+  f = jax.vmap(conv_grad(amp(convnet, HALF)), in_axes=in_axes)
+  got = f(*args)
+  want = jax.vmap(conv_grad(convnet), in_axes=in_axes)(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=5e-2,
+                               atol=2e-2 * float(jnp.max(jnp.abs(b))))
+  convs = eqns_named(jax.make_jaxpr(f)(*args), "conv_general_dilated")
+  assert len(convs) == 6
+  for eqn in convs:
+    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+
+
+@GROUPS
+def test_full_policy_convs_are_bitwise_plain(groups):
+  k2 = conv_kernel2(groups)
+  plain = conv_grad(convnet)
+  for fn, ref in ((conv_grad(amp(convnet, "full")), plain),
+                  (jax.jit(conv_grad(amp(convnet, "full"))), jax.jit(plain))):
+    for a, b in zip(fn(IMG, K1, k2), ref(IMG, K1, k2)):
+      np.testing.assert_array_equal(a, b)
+  closed = jax.make_jaxpr(conv_grad(amp(convnet, "full")))(IMG, K1, k2)
+  convs = eqns_named(closed, "conv_general_dilated")
+  assert convs and all(e.primitive is jax.lax.conv_general_dilated_p
+                       for e in convs)
+
+
+def test_amp_conv_primitive_directly():
+  x, k = IMG.astype(BF16), K1.astype(BF16)
+  kw = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=DN)
+  out = lowp.amp_conv_general_dilated(x, k, **kw, out_dtype=BF16)
+  assert out.dtype == BF16
+  ref = jax.lax.conv_general_dilated(x, k, **kw,
+                                     preferred_element_type=F32).astype(BF16)
+  np.testing.assert_array_equal(out, ref)
+  jitted = jax.jit(lambda x, k: lowp.amp_conv_general_dilated(
+      x, k, **kw, out_dtype=F32))
+  np.testing.assert_array_equal(jitted(x, k), jax.lax.conv_general_dilated(
+      x, k, **kw, preferred_element_type=F32))
+
+
+def test_second_order_conv_grads_stay_half_by_half():
+  # The transposes replay JAX's rules with amp convolutions, so the
+  # backward-of-backward convolutions are amp ones too.
+  k2 = conv_kernel2(DEPTHWISE)
+  f = amp(convnet, HALF)
+  gnorm = lambda k: jnp.sum(jax.grad(f, argnums=1)(IMG, k, k2) ** 2)
+  closed = jax.make_jaxpr(jax.grad(gnorm))(K1)
+  convs = eqns_named(closed, "conv_general_dilated")
+  assert len(convs) > 6
+  for eqn in convs:
+    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+  want = jax.grad(lambda k: jnp.sum(
+      jax.grad(convnet, argnums=1)(IMG, k, k2) ** 2))(K1)
+  np.testing.assert_allclose(jax.grad(gnorm)(K1), want, rtol=1e-1,
+                             atol=5e-2 * float(jnp.max(jnp.abs(want))))

@@ -390,8 +390,14 @@ def _lower(env: _Env, eqn, args, compute) -> list:
     return [lowp.amp_dot_general(
         args[0], args[1], dimension_numbers=eqn.params["dimension_numbers"],
         precision=eqn.params.get("precision"), out_dtype=out_dtype)]
-  # Convolutions: float32 accumulation, then cast. (Under grad the backward
-  # convolutions see a float32 cotangent; see the module docstring.)
+  if eqn.params.get("out_sharding") is None:
+    params = {k: v for k, v in eqn.params.items()
+              if k not in ("preferred_element_type", "out_sharding")}
+    return [lowp.amp_conv_general_dilated(args[0], args[1], **params,
+                                          out_dtype=out_dtype)]
+  # A convolution with an explicit output sharding (which the amp primitive
+  # does not carry): float32 accumulation, then cast. Under grad its
+  # backward convolutions see a float32 cotangent (see `lowp`).
   out = _bind(eqn, args, dict(eqn.params, preferred_element_type=jnp.float32))
   return [env.cast(o, out_dtype) for o in out]
 

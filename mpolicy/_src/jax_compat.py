@@ -216,8 +216,12 @@ def bind(primitive, args, params):
 
 
 def aval_of(x):
-  """The abstract value of an array, tracer or scalar."""
-  return _core.get_aval(x)
+  """The abstract value of an array, tracer or scalar.
+
+  `jax.typeof` since JAX 0.4.36; `core.get_aval` (removed later) before.
+  """
+  typeof = getattr(jax, "typeof", None)
+  return typeof(x) if typeof is not None else _core.get_aval(x)
 
 
 def trace_to_closed_jaxpr(fn, in_avals, like=None) -> ClosedJaxpr:
@@ -301,3 +305,34 @@ def with_dtype(aval, dtype, weak_type: bool = False):
 
 def tangent_aval(aval):
   return aval.to_tangent_aval()
+
+
+from jax._src.lax import convolution as _convolution  # pylint: disable=g-bad-import-order,g-import-not-at-top
+
+
+def conv_transpose_lhs(ct, lhs, rhs, **params):
+  """JAX's conv_general_dilated transpose for the lhs (its convs, its pads).
+
+  ``lhs`` is the undefined primal (read only through ``.aval``); ``params``
+  are the primitive's, ``preferred_element_type`` and ``out_sharding``
+  included.
+  """
+  return _convolution._conv_general_dilated_transpose_lhs(  # pylint: disable=protected-access
+      ct, lhs, rhs, **params)
+
+
+def conv_transpose_rhs(ct, lhs, rhs, **params):
+  """JAX's conv_general_dilated transpose for the rhs (see the lhs one)."""
+  return _convolution._conv_general_dilated_transpose_rhs(  # pylint: disable=protected-access
+      ct, lhs, rhs, **params)
+
+
+def conv_batch(batched_args, batch_dims, **params):
+  """JAX's conv_general_dilated batching rule: ``(out, out_dim)``.
+
+  The rule is a "fancy" batcher whose first argument (the vmapped axis's
+  data) it reads only to shard the result; with ``out_sharding=None`` it
+  is never read, so None stands in for it.
+  """
+  return _convolution._conv_general_dilated_batch_rule(  # pylint: disable=protected-access
+      None, batched_args, batch_dims, **params)

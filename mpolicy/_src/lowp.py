@@ -1,18 +1,18 @@
-"""A matmul primitive that stays half-in, float32-accumulate under AD.
+"""Matmul and convolution primitives: half in, float32 accumulate, under AD.
 
 The obvious rewrite of a half matmul, ``convert(dot(a_h, b_h,
 preferred_element_type=f32), h)``, is right in the forward pass but not under
 `jax.grad`: the transpose of ``convert`` hands the cotangent to the backward
 dots in float32, so they multiply float32 by half, mixed operands that XLA
-upcasts and runs in float32 throughout.
+upcasts and runs in float32 throughout. Convolutions have the same problem.
 
-`amp_dot_general` is one primitive for "half inputs, float32 accumulation,
-result cast to ``out_dtype``". It is bilinear, so its JVP is two more
-`amp_dot_general`s and its transpose rules are dots of the (half) cotangent
-with the other (half) operand, accumulated in float32 and cast to the
-operand's dtype. Every matmul of the backward pass is then half x half with
-float32 accumulation, and `jax.jvp` and `jax.jacfwd` keep working (a
-`custom_vjp` would break them).
+`amp_dot_general` and `amp_conv_general_dilated` are each one primitive for
+"half inputs, float32 accumulation, result cast to ``out_dtype``". They are
+bilinear, so their JVPs are two more of themselves and their transpose rules
+take the (half) cotangent and the other (half) operand, accumulate in
+float32 and cast to the operand's dtype. Every matmul and convolution of the
+backward pass is then half x half with float32 accumulation, and `jax.jvp`
+and `jax.jacfwd` keep working (a `custom_vjp` would break them).
 """
 
 from __future__ import annotations
@@ -27,7 +27,38 @@ import numpy as np
 from mpolicy._src import jax_compat
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
+amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
 
+
+# --- Shared by both primitives ----------------------------------------------
+
+def _abstract_eval(composite, lhs, rhs, **params):
+  """The aval of ``composite`` (the primitive's meaning in plain JAX)."""
+  out = jax.eval_shape(
+      functools.partial(composite, **params),
+      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+  return jax_compat.shaped_array(out.shape, out.dtype)
+
+
+def _define(primitive, composite, lhs_transpose, rhs_transpose, batch):
+  primitive.def_impl(composite)
+  primitive.def_abstract_eval(functools.partial(_abstract_eval, composite))
+  jax_compat.define_lowering(primitive, composite)
+  jax_compat.define_bilinear(primitive, lhs_transpose, rhs_transpose)
+  jax_compat.define_batching(primitive, batch)
+
+
+def _operands(side, x, y):
+  """``(operand, other)``: the one being transposed for, the known one."""
+  return (x, y) if side == "lhs" else (y, x)
+
+
+def _cast(x, dtype):
+  return x.astype(dtype) if x.dtype != dtype else x
+
+
+# --- amp_dot_general ----------------------------------------------------------
 
 def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
                     out_dtype: Any):
@@ -36,50 +67,153 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
                                 precision=precision, out_dtype=np.dtype(out_dtype))
 
 
-def _composite(lhs, rhs, *, dimension_numbers, precision, out_dtype):
+def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype):
   out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype)
 
 
-def _abstract_eval(lhs, rhs, *, dimension_numbers, precision, out_dtype):
-  out = jax.eval_shape(
-      functools.partial(_composite, dimension_numbers=dimension_numbers,
-                        precision=precision, out_dtype=out_dtype),
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
-  return jax_compat.shaped_array(out.shape, out.dtype)
-
-
-def _transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype):
+def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype):
   del out_dtype
-  operand = x if side == "lhs" else y
-  other = y if side == "lhs" else x
-  dtype = operand.aval.dtype
-  ct = ct.astype(other.dtype) if ct.dtype != other.dtype else ct
+  operand, other = _operands(side, x, y)
   rule = (jax_compat.dot_general_transpose_lhs if side == "lhs"
           else jax_compat.dot_general_transpose_rhs)
-  out = rule(ct, x, y, dimension_numbers=dimension_numbers,
+  out = rule(_cast(ct, other.dtype), x, y, dimension_numbers=dimension_numbers,
              precision=precision, preferred_element_type=jnp.float32,
              out_sharding=None)
-  return out.astype(dtype) if out.dtype != dtype else out
+  return _cast(out, operand.aval.dtype)
 
 
-def _batch(batched_args, batch_dims, *, dimension_numbers, precision,
-           out_dtype):
+def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
+               out_dtype):
   lhs, rhs = batched_args
-  lbd, rbd = batch_dims
   new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
-      (np.ndim(lhs), np.ndim(rhs)), (lbd, rbd), dimension_numbers)
+      (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)
   out = amp_dot_general(lhs, rhs, dimension_numbers=new_dims,
                         precision=precision, out_dtype=out_dtype)
   return out, out_dim
 
 
-amp_dot_general_p.def_impl(_composite)
-amp_dot_general_p.def_abstract_eval(_abstract_eval)
-jax_compat.define_lowering(amp_dot_general_p, _composite)
-jax_compat.define_bilinear(amp_dot_general_p,
-                           functools.partial(_transpose, "lhs"),
-                           functools.partial(_transpose, "rhs"))
-jax_compat.define_batching(amp_dot_general_p, _batch)
+_define(amp_dot_general_p, _dot_composite,
+        functools.partial(_dot_transpose, "lhs"),
+        functools.partial(_dot_transpose, "rhs"), _dot_batch)
+
+
+# --- amp_conv_general_dilated -------------------------------------------------
+
+# Params of conv_general_dilated that amp_conv_general_dilated replaces by
+# ``out_dtype`` (float32 accumulation is its meaning; sharding is left to
+# the caller).
+_CONV_OWN_PARAMS = ("preferred_element_type", "out_sharding")
+
+
+def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
+                             lhs_dilation=None, rhs_dilation=None,
+                             dimension_numbers=None, feature_group_count=1,
+                             batch_group_count=1, precision=None,
+                             out_dtype: Any):
+  """``conv_general_dilated`` of half ``lhs``, ``rhs``, f32 accumulation, cast.
+
+  Takes `jax.lax.conv_general_dilated`'s arguments (string paddings, lists,
+  dimension-number strings too: they are put in the hashable canonical form
+  a jaxpr equation holds, which the transpose and batching rules need).
+  """
+  params = dict(window_strides=window_strides, padding=padding,
+                lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                dimension_numbers=dimension_numbers,
+                feature_group_count=feature_group_count,
+                batch_group_count=batch_group_count, precision=precision)
+  if not (isinstance(dimension_numbers, jax.lax.ConvDimensionNumbers)
+          and all(isinstance(params[k], tuple) for k in (
+              "window_strides", "padding", "lhs_dilation", "rhs_dilation"))):
+    params = _canonical_conv_params(lhs, rhs, params)
+  return amp_conv_general_dilated_p.bind(lhs, rhs, **params,
+                                         out_dtype=np.dtype(out_dtype))
+
+
+def _canonical_conv_params(lhs, rhs, params):
+  """The params JAX's own ``conv_general_dilated`` equation would hold."""
+  closed = jax.make_jaxpr(functools.partial(jax.lax.conv_general_dilated,
+                                            **params))(
+      jax.ShapeDtypeStruct(np.shape(lhs), jnp.result_type(lhs)),
+      jax.ShapeDtypeStruct(np.shape(rhs), jnp.result_type(rhs)))
+  (eqn,) = [e for e in closed.jaxpr.eqns
+            if e.primitive is jax_compat.conv_general_dilated_p]
+  return {k: v for k, v in eqn.params.items() if k not in _CONV_OWN_PARAMS}
+
+
+def _conv_composite(lhs, rhs, *, out_dtype, **params):
+  out = jax.lax.conv_general_dilated(lhs, rhs, **params,
+                                     preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _with_amp_convs(fn, args, out_dtype=None):
+  """``fn(*args)``, each convolution it makes run as an amp one.
+
+  JAX's convolution transpose and batching rules hold the bookkeeping
+  (flipped kernels, transposed specs, VJP paddings, group axes reshaped in
+  and out); rather than copy it, ``fn`` (which calls them) is traced and
+  replayed with every ``conv_general_dilated`` rebound as
+  ``amp_conv_general_dilated`` in ``out_dtype`` (None: the dtype that
+  convolution produced). Replayed convolutions are amp ones again, so
+  higher-order AD and vmap of the transposes keep the half x half form.
+  """
+  closed = jax_compat.trace_to_closed_jaxpr(
+      lambda *a: [fn(*a)], [jax_compat.aval_of(a) for a in args])
+  jaxpr = closed.jaxpr
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jax_compat.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive is jax_compat.conv_general_dilated_p:
+      params = {k: v for k, v in eqn.params.items()
+                if k not in _CONV_OWN_PARAMS}
+      dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
+      outs = [amp_conv_general_dilated_p.bind(*invals, **params,
+                                              out_dtype=np.dtype(dtype))]
+    else:
+      outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return read(jaxpr.outvars[0])
+
+
+def _conv_transpose(side, ct, lhs, rhs, *, out_dtype, **params):
+  del out_dtype
+  operand, other = _operands(side, lhs, rhs)
+  aval = operand.aval
+  if np.size(ct) == 0:  # JAX's rhs rule gives a symbolic zero here.
+    return jnp.zeros(aval.shape, aval.dtype)
+  rule = (jax_compat.conv_transpose_lhs if side == "lhs"
+          else jax_compat.conv_transpose_rhs)
+
+  def transpose(ct, known):
+    x, y = (operand, known) if side == "lhs" else (known, operand)
+    # No preferred type: the convs come out half (the ct and the other
+    # operand are), which `_with_amp_convs` makes f32-accumulated.
+    return rule(ct, x, y, **params, preferred_element_type=None,
+                out_sharding=None)
+
+  out = _with_amp_convs(transpose, (_cast(ct, other.dtype), other))
+  return _cast(out, aval.dtype)
+
+
+def _conv_batch(batched_args, batch_dims, *, out_dtype, **params):
+  out_dim = []
+
+  def batched(lhs, rhs):
+    out, dim = jax_compat.conv_batch((lhs, rhs), batch_dims, **params,
+                                     preferred_element_type=None,
+                                     out_sharding=None)
+    out_dim.append(dim)
+    return out
+
+  out = _with_amp_convs(batched, batched_args, out_dtype)
+  return _cast(out, out_dtype), out_dim[0]
+
+
+_define(amp_conv_general_dilated_p, _conv_composite,
+        functools.partial(_conv_transpose, "lhs"),
+        functools.partial(_conv_transpose, "rhs"), _conv_batch)
