@@ -102,6 +102,59 @@ def test_amp_dot_general_primitive_directly():
 
 # --- Convolutions ---------------------------------------------------------------
 
+DOT_CASES = [
+    ((6, 4), (6, 5), (((0,), (0,)), ((), ()))),
+    ((4, 6), (6, 5), (((1,), (0,)), ((), ()))),
+    ((4, 6), (5, 6), (((1,), (1,)), ((), ()))),
+    ((2, 3, 6), (6, 5), (((2,), (0,)), ((), ()))),
+    ((2, 3, 6), (2, 3, 5), (((0, 1), (0, 1)), ((), ()))),
+    ((2, 3, 6), (2, 6, 5), (((2,), (1,)), ((0,), (0,)))),
+    ((2, 2, 3, 4), (2, 2, 3, 4), (((3,), (3,)), ((0, 1), (0, 1)))),
+    ((3, 2, 4), (2, 4, 3), (((2,), (1,)), ((1,), (0,)))),
+    ((3, 5, 4, 2), (4, 3, 6, 2), (((2, 0), (0, 1)), ((3,), (3,)))),
+    ((5,), (5,), (((0,), (0,)), ((), ()))),
+    ((2, 3), (4, 5), (((), ()), ((), ()))),
+]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DOT_CASES)
+def test_amp_dot_general_matches_dot_general_and_its_gradients(
+    lhs_shape, rhs_shape, dims):
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.normal(size=lhs_shape), jnp.bfloat16)
+  rhs = jnp.asarray(rng.normal(size=rhs_shape), jnp.bfloat16)
+  amp_dot = lambda a, b: lowp.amp_dot_general(
+      a, b, dimension_numbers=dims, out_dtype=F32)
+  ref_dot = lambda a, b: jax.lax.dot_general(a.astype(F32), b.astype(F32), dims)
+  out, amp_vjp = jax.vjp(jax.jit(amp_dot), lhs, rhs)
+  ref, ref_vjp = jax.vjp(ref_dot, lhs, rhs)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  ct = jnp.asarray(rng.normal(size=ref.shape), F32)
+  for got, want in zip(amp_vjp(ct), ref_vjp(ct)):
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    want = np.asarray(want, F32)
+    np.testing.assert_allclose(np.asarray(got, F32), want, rtol=2e-2,
+                               atol=2e-2 * np.abs(want).max())
+  grad = jax.make_jaxpr(jax.grad(lambda a, b: amp_dot(a, b).sum(),
+                                 argnums=(0, 1)))(lhs, rhs)
+  assert not [e for e in grad.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_weight_gradient_of_a_3d_activation_runs_on_cpu():
+  # XLA:CPU cannot execute some bf16 x bf16 -> f32 dots with two contracting
+  # dimensions ("Unsupported element type for DotThunk::Execute"): the
+  # weight gradient of x[b, t, d] @ w[d, f] was one. amp_dot_general lowers
+  # every dot as one (batched) matrix product, which it can.
+  x = jax.random.normal(jax.random.key(1), (4, 32, 128), F32)
+  w = jax.random.normal(jax.random.key(2), (128, 64), F32) / 11
+  loss = lambda w, x: jnp.mean(amp(lambda x, w: x @ w, HALF)(x, w) ** 2)
+  grad = jax.jit(jax.grad(loss))(w, x)
+  want = jax.grad(lambda w, x: jnp.mean((x @ w) ** 2))(w, x)
+  assert grad.dtype == F32
+  np.testing.assert_allclose(grad, want, rtol=0.05,
+                             atol=0.02 * float(jnp.abs(want).max()))
+
+
 DN = ("NHWC", "HWIO", "NHWC")
 _K = jax.random.split(jax.random.key(0), 3)
 IMG = jax.random.normal(_K[0], (2, 8, 8, 3), F32)

@@ -18,6 +18,7 @@ and `jax.jacfwd` keep working (a `custom_vjp` would break them).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -67,21 +68,114 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
                                 precision=precision, out_dtype=np.dtype(out_dtype))
 
 
-def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype):
-  out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
+  """Dims as batch + first + second, unless batch + second + first is
+  already the identity (then no transpose is needed). The flag says whether
+  ``first`` comes first."""
+  swapped = [*batch, *second, *first]
+  if swapped == list(range(ndim)):
+    return swapped, False
+  return [*batch, *first, *second], True
+
+
+def _canonical_dot(lhs, rhs, dimension_numbers, precision):
+  """``dot_general`` as one (batched) matrix product, float32 accumulation.
+
+  Batch, free and contracting dimensions are each merged into one by
+  reshapes (transposing only where a group is not already contiguous), so
+  XLA sees a plain ``[B, M, K] x [B, K, N]`` product. XLA:CPU cannot run
+  some bf16 x bf16 -> f32 dots with several contracting dimensions (the
+  weight gradient of a 3-D activation fails with "Unsupported element type
+  for DotThunk"), and this is the form its fast paths take anyway.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  batch = [lhs.shape[d] for d in lb]
+  merged_batch = [math.prod(batch)] if lb else []
+  m = math.prod(lhs.shape[d] for d in lf)
+  k = math.prod(lhs.shape[d] for d in lc)
+  n = math.prod(rhs.shape[d] for d in rf)
+  free_sizes = ([lhs.shape[d] for d in lf] + [rhs.shape[d] for d in rf])
+  lperm, lhs_free_first = _dot_order(lhs.ndim, lb, lf, lc)
+  rperm, rhs_contract_first = _dot_order(rhs.ndim, rb, rc, rf)
+  if lperm != list(range(lhs.ndim)):
+    lhs = jax.lax.transpose(lhs, lperm)
+  if rperm != list(range(rhs.ndim)):
+    rhs = jax.lax.transpose(rhs, rperm)
+  lhs = lhs.reshape(merged_batch + ([m, k] if lhs_free_first else [k, m]))
+  rhs = rhs.reshape(merged_batch + ([k, n] if rhs_contract_first else [n, k]))
+  nb = len(merged_batch)
+  dims = (((nb + (1 if lhs_free_first else 0),),
+           (nb + (0 if rhs_contract_first else 1),)),
+          (tuple(range(nb)), tuple(range(nb))))
+  out = jax.lax.dot_general(lhs, rhs, dims, precision=precision,
                             preferred_element_type=jnp.float32)
+  return out.reshape(batch + free_sizes)
+
+
+def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype):
+  out = _canonical_dot(lhs, rhs, dimension_numbers, precision)
   return out.astype(out_dtype)
 
 
+def _free_dims(ndim, contracting, batch) -> list[int]:
+  return [d for d in range(ndim) if d not in contracting and d not in batch]
+
+
+def _ndim(x) -> int:
+  """Rank of an array or of an undefined primal (which has only an aval)."""
+  aval = getattr(x, "aval", None)
+  return len(aval.shape) if aval is not None else np.ndim(x)
+
+
 def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype):
+  """The cotangent of one operand: another amp dot (half x half, float32
+  accumulation), so backward matmuls keep the rules at every order.
+
+  It contracts the cotangent's dims that belong to the other operand's free
+  dims. Of the two operand orders, ``dot(ct, other)`` and ``dot(other, ct)``,
+  it takes one whose result is already in the operand's layout (the weight
+  gradient of ``x @ w`` is ``dot(x, ct)``), so no transpose is needed.
+  """
   del out_dtype
   operand, other = _operands(side, x, y)
-  rule = (jax_compat.dot_general_transpose_lhs if side == "lhs"
-          else jax_compat.dot_general_transpose_rhs)
-  out = rule(_cast(ct, other.dtype), x, y, dimension_numbers=dimension_numbers,
-             precision=precision, preferred_element_type=jnp.float32,
-             out_sharding=None)
-  return _cast(out, operand.aval.dtype)
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = _free_dims(_ndim(x), lc, lb)
+  rf = _free_dims(_ndim(y), rc, rb)
+  nb = len(lb)
+  ct_lf = tuple(range(nb, nb + len(lf)))
+  ct_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+  if side == "lhs":
+    own_b, own_f, own_c, other_b, other_f, other_c, ct_other = (
+        lb, lf, lc, rb, rf, rc, ct_rf)
+  else:
+    own_b, own_f, own_c, other_b, other_f, other_c, ct_other = (
+        rb, rf, rc, lb, lf, lc, ct_lf)
+  batch = tuple(range(nb))
+  rest = sorted(other_c)  # The other operand's dims left in the result.
+  position = {d: i for i, d in enumerate(own_b)}
+  # dot(ct, other): batch, then the operand's free dims, then the rest.
+  ct_first = dict(position)
+  ct_first.update({d: nb + i for i, d in enumerate(own_f)})
+  ct_first.update({d: nb + len(own_f) + rest.index(o)
+                   for d, o in zip(own_c, other_c)})
+  # dot(other, ct): batch, then the rest, then the operand's free dims.
+  other_first = dict(position)
+  other_first.update({d: nb + rest.index(o) for d, o in zip(own_c, other_c)})
+  other_first.update({d: nb + len(own_c) + i for i, d in enumerate(own_f)})
+  ndim = _ndim(operand)
+  identity = tuple(range(ndim))
+  ct = _cast(ct, other.dtype)
+  if tuple(other_first[d] for d in range(ndim)) == identity:
+    dims = ((tuple(other_f), ct_other), (tuple(other_b), batch))
+    return amp_dot_general(other, ct, dimension_numbers=dims,
+                           precision=precision, out_dtype=operand.aval.dtype)
+  dims = ((ct_other, tuple(other_f)), (batch, tuple(other_b)))
+  out = amp_dot_general(ct, other, dimension_numbers=dims, precision=precision,
+                        out_dtype=operand.aval.dtype)
+  perm = tuple(ct_first[d] for d in range(ndim))
+  return out if perm == identity else jax.lax.transpose(out, perm)
 
 
 def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
