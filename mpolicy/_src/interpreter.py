@@ -169,6 +169,17 @@ class _Config:
   rules: op_rules_lib.OpRules
   outer: Optional[regions.Region]
   quiet: bool = False
+  # Regions already resolved in this run, by scope names (one registry
+  # look-up per scope rather than per equation).
+  region_cache: dict = dataclasses.field(default_factory=dict, compare=False)
+
+  def region(self, names: tuple[str, ...]) -> Optional[regions.Region]:
+    try:
+      return self.region_cache[names]
+    except KeyError:
+      region = registry.region_for_scopes(names, outer=self.outer)
+      self.region_cache[names] = region
+      return region
 
 
 class Scope:
@@ -235,7 +246,7 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
       if rule is not None:
         outs = rule(Scope(config, env, names), eqn, invals)
       else:
-        region = registry.region_for_scopes(names, outer=config.outer)
+        region = config.region(names)
         if region is None or not region.full_precision:
           higher_order.check_first_order(eqn)
         outs = _first_order(config, env, eqn, invals, names, region)
@@ -472,7 +483,8 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     out_avals, out_tree = jax.tree_util.tree_flatten(out_shape)
     _recording.runs += 1
     env = _Env()
-    outs = _eval_jaxpr(closed.jaxpr, closed.consts, arrays, config,
+    outs = _eval_jaxpr(closed.jaxpr, closed.consts, arrays,
+                       dataclasses.replace(config, region_cache={}),
                        jax_compat.current_scope_names(), env)
     final = []
     for out, aval in zip(outs, out_avals):
