@@ -38,6 +38,7 @@ from mpolicy._src import training
 from examples import common
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too.
 
 DEFAULT_CORPUS = ("bisect.py", "heapq.py", "functools.py", "textwrap.py",
                   "string.py", "abc.py", "contextlib.py")

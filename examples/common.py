@@ -115,8 +115,15 @@ def run(main: Callable[[Sequence[str]], None], defaults: dict[str, Any]) -> None
   WARNING here; pass `--verbosity=0` to see them).
   """
   from absl import app  # pylint: disable=g-import-not-at-top
-  set_defaults(verbosity=-1, **defaults)
-  app.run(main)
+  from absl import logging  # pylint: disable=g-import-not-at-top
+
+  def quiet_main(argv):
+    if not FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    main(argv)
+
+  set_defaults(**defaults)
+  app.run(quiet_main)
 
 
 # --- Mixed precision settings --------------------------------------------------

@@ -38,6 +38,7 @@ from mpolicy._src import training
 from examples import common
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too.
 
 flags.DEFINE_list("channels", ["32", "64"],
                   "Output channels of the conv layers (each followed by "

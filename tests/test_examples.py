@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path[:1]:
+  # The repository's `examples` package, ahead of any other on the path.
+  sys.path.insert(0, ROOT)
 
 
 def run_example(module, *args, timeout=240):
