@@ -102,22 +102,6 @@ def windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
 # --- Model ---------------------------------------------------------------------
 
 
-def dense(width: int, name: str) -> Callable[[jax.Array], jax.Array]:
-  """`hk.Linear` applied to [..., d] inputs flattened to [N, d].
-
-  The same layer as `hk.Linear(width, name=name)`; the 2-D matmul keeps
-  the gradient matmuls in a shape XLA:CPU can run in bfloat16 with float32
-  accumulation (a Linear on 3-D inputs fails there with "Unsupported element
-  type for DotThunk::Execute: BF16 x BF16 = F32").
-  """
-  linear = hk.Linear(width, name=name)
-
-  def apply(x):
-    return linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], width)
-
-  return apply
-
-
 class SelfAttention(hk.Module):
   """Causal multi-head self-attention."""
 
@@ -129,20 +113,17 @@ class SelfAttention(hk.Module):
     batch, length, width = x.shape
     head = width // self.num_heads
 
-    def heads(name):  # [batch, heads, length, head]
-      y = dense(width, name)(x)
-      return y.reshape(batch, length, self.num_heads, head).transpose(0, 2, 1, 3)
+    def heads(name):  # [batch, length, heads, head]
+      y = hk.Linear(width, name=name)(x)
+      return y.reshape(batch, length, self.num_heads, head)
 
-    # Heads-major layout: the batched matmuls (and their gradients) have
-    # leading batch dimensions on both sides. XLA:CPU cannot run bf16 x bf16
-    # -> f32 matmuls whose batch dimensions need a transpose.
     q, k, v = heads("query"), heads("key"), heads("value")
-    logits = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(head)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head)
     causal = jnp.tril(jnp.ones((length, length), bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bhsd->bhtd", weights, v).transpose(0, 2, 1, 3)
-    return dense(width, "output")(out.reshape(batch, length, width))
+    out = jnp.einsum("bhts,bshd->bthd", weights, v)
+    return hk.Linear(width, name="output")(out.reshape(batch, length, width))
 
 
 class Block(hk.Module):
@@ -157,8 +138,8 @@ class Block(hk.Module):
     ln = lambda n: hk.LayerNorm(-1, create_scale=True, create_offset=True,
                                 name=n)
     x = x + SelfAttention(self.num_heads, name="attention")(ln("ln_1")(x))
-    h = dense(4 * width, "mlp_in")(ln("ln_2")(x))
-    return x + dense(width, "mlp_out")(jax.nn.gelu(h))
+    h = hk.Linear(4 * width, name="mlp_in")(ln("ln_2")(x))
+    return x + hk.Linear(width, name="mlp_out")(jax.nn.gelu(h))
 
 
 class CharTransformer(hk.Module):
@@ -187,7 +168,7 @@ class CharTransformer(hk.Module):
       x = hk.remat(block)(x) if self.remat else block(x)
     x = hk.LayerNorm(-1, create_scale=True, create_offset=True,
                      name="ln_final")(x)
-    return dense(self.vocab_size, "logits")(x)
+    return hk.Linear(self.vocab_size, name="logits")(x)
 
 
 # --- Training ------------------------------------------------------------------
