@@ -377,3 +377,32 @@ def test_same_dtypes_as_haiku_mixed_precision():
   # Haiku stores the moving averages in the compute dtype of the BatchNorm
   # policy (f32 here); we store them in its param dtype (also f32).
   assert ours[3] == theirs[3]
+
+
+def test_patterns_inside_layer_stack_match_lift_relative_names():
+  # Inside a lifted transform (layer_stack, hk.lift) Haiku names modules
+  # relative to the lift: params stored under `layers/block/attention` come
+  # from a module named `block/attention`. Patterns match that name, the
+  # same at init and at apply.
+  mpolicy.set_policy("block/attention", HALF)
+  seen = []
+
+  class Block(hk.Module):
+
+    def __call__(self, x):
+      y = hk.Linear(4, name="attention")(x)
+      seen.append(mpolicy.current_policy())
+      return y
+
+  def forward(x):
+    return hk.experimental.layer_stack(2, name="layers")(
+        lambda x: Block(name="block")(x))(x)
+
+  f = mpolicy.transform_amp(forward)
+  x = jnp.ones([2, 4])
+  params = f.init(KEY, x)
+  assert list(params) == ["layers/block/attention"]
+  assert _leaf_dtypes(params) == {F32}
+  jaxpr = jax.make_jaxpr(f.apply)(params, None, x)
+  assert _operand_dtypes(jaxpr, "dot_general") == [(BF16, BF16)]
+  assert f.apply(params, None, x).dtype == F32
