@@ -365,7 +365,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
 
   if _recording.rows is not None and not config.quiet:
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
-    if not ran:
+    if not ran or rule == "explicit cast":  # A cast "runs in" its result.
       ran = sorted({_dtype(o).name for o in outs})
     _recording.rows.append(Decision(
         scope="/".join(regions.plain_scope_names(names)),
