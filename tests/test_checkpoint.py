@@ -14,15 +14,7 @@ from mpolicy._src import checkpoint
 from mpolicy._src import loss_scale as ls_lib
 from mpolicy._src import training
 
-
-def _bits(tree):
-  return [(np.asarray(x).dtype, np.asarray(x).tobytes())
-          for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _same_bits(a, b) -> bool:
-  return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-          and _bits(a) == _bits(b))
+from _helpers import same_bits
 
 
 def test_round_trip_is_bitwise_for_every_dtype(tmp_path):
@@ -39,7 +31,7 @@ def test_round_trip_is_bitwise_for_every_dtype(tmp_path):
   path = tmp_path / "ckpt.npz"
   checkpoint.save_checkpoint(path, tree)
   restored = checkpoint.restore_checkpoint(path, tree)
-  assert _same_bits(restored, tree)
+  assert same_bits(restored, tree)
   assert isinstance(restored["np"], np.ndarray)
   assert isinstance(restored["bf16"], jax.Array)
 
@@ -89,7 +81,7 @@ def test_restore_into_an_eval_shape_template(tmp_path):
   path = tmp_path / "ckpt.npz"
   checkpoint.save_checkpoint(path, state)
   restored = checkpoint.restore_checkpoint(path, jax.eval_shape(init))
-  assert _same_bits(restored, state)
+  assert same_bits(restored, state)
   assert restored[1].period == 7
 
 
@@ -151,5 +143,5 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
   checkpoint.save_checkpoint(path, run(fresh(), range(6)))
   template = jax.tree_util.tree_map(jnp.zeros_like, fresh())
   resumed = run(checkpoint.restore_checkpoint(path, template), range(6, 16))
-  assert _same_bits(resumed, uninterrupted)
+  assert same_bits(resumed, uninterrupted)
   assert int(resumed[1].total_notfinite) >= len(bad)

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from _helpers import all_eqns
 from jax.sharding import PartitionSpec as P
 
 from mpolicy._src import jax_compat
@@ -17,19 +19,6 @@ HALF = "p=f32,c=bf16,o=f32"
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 X = jnp.linspace(-1, 1, 12, dtype=F32).reshape(3, 4)
 W = jnp.linspace(-0.5, 0.5, 16, dtype=F32).reshape(4, 4)
-
-
-def all_eqns(fn, *args):
-  out = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      out.append(eqn)
-      for sub in jax_compat.jaxprs_in_params(eqn.params):
-        walk(getattr(sub, "jaxpr", sub))
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
 
 
 def dot_dtypes(fn, *args):

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpolicy._src import jax_compat
+from _helpers import all_eqns
+
 from mpolicy._src import registry
 from mpolicy._src.interpreter import amp
 from mpolicy._src.interpreter import full_precision
@@ -16,20 +17,6 @@ from mpolicy._src.op_rules import DEFAULT_RULES
 
 HALF = "p=f32,c=bf16,o=f32"
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def all_eqns(fn, *args):
-  """Every equation of ``fn``'s jaxpr, sub-jaxprs included."""
-  out = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      out.append(eqn)
-      for sub in jax_compat.jaxprs_in_params(eqn.params):
-        walk(getattr(sub, "jaxpr", sub))
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
 
 
 def in_dtypes(fn, *args, prim):

@@ -13,20 +13,12 @@ from mpolicy._src import loss_scale as ls_lib
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import training
 
+from _helpers import same_bits
+
 DynamicLossScale = ls_lib.DynamicLossScale
 
 
 # --- Helpers -------------------------------------------------------------------
-
-
-def _bits(tree):
-  return [(np.asarray(x).dtype, np.asarray(x).tobytes())
-          for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _same_bits(a, b) -> bool:
-  return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-          and _bits(a) == _bits(b))
 
 
 def _dtypes(tree):
@@ -96,7 +88,7 @@ def test_scaled_grads_equal_plain_grads_for_power_of_two_scale():
   assert bool(finite)
   assert float(value) == float(loss)
   # Scaling by a power of two is exact: the unscaled grads are bit-identical.
-  assert _same_bits(sgrads, grads)
+  assert same_bits(sgrads, grads)
   assert float(ls.loss_scale) == 2. ** 15 and int(ls.counter) == 1
 
 
@@ -225,8 +217,8 @@ def test_skip_nonfinite_keeps_params_and_inner_state_bit_for_bit():
   bad = {"w": jnp.array([1., jnp.nan, 0., 1.]), "b": jnp.array([jnp.inf, 1.])}
   updates, new_state = tx.update(bad, state, params)
   new_params = optax.apply_updates(params, updates)
-  assert _same_bits(new_params, params)  # -0.0 stays -0.0.
-  assert _same_bits(new_state.inner_state, state.inner_state)
+  assert same_bits(new_params, params)  # -0.0 stays -0.0.
+  assert same_bits(new_state.inner_state, state.inner_state)
   assert int(new_state.inner_state[0].count) == 3  # Step count did not move.
   assert int(new_state.total_notfinite) == 1
   assert int(new_state.notfinite_count) == 1
@@ -245,7 +237,7 @@ def test_skip_nonfinite_never_gives_up_unlike_apply_if_finite():
     p_ours = optax.apply_updates(p_ours, u)
     u, s_theirs = theirs.update(bad, s_theirs, p_theirs)
     p_theirs = optax.apply_updates(p_theirs, u)
-  assert _same_bits(p_ours, params) and int(s_ours.notfinite_count) == 10
+  assert same_bits(p_ours, params) and int(s_ours.notfinite_count) == 10
   # optax.apply_if_finite applies the NaN update after 3 errors in a row.
   assert np.isnan(np.asarray(p_theirs["w"])).any()
 
@@ -257,7 +249,7 @@ def test_skip_nonfinite_follows_the_external_flag():
   good = {"w": jnp.ones(2)}
   updates, new_state = tx.update(good, state, params,
                                  grads_finite=jnp.bool_(False))
-  assert _same_bits(optax.apply_updates(params, updates), params)
+  assert same_bits(optax.apply_updates(params, updates), params)
   assert int(new_state.total_notfinite) == 1
   updates, _ = tx.update(good, state, params, grads_finite=jnp.bool_(True))
   assert optax.apply_updates(params, updates)["w"].tolist() == [0., 0.]
@@ -281,8 +273,8 @@ def test_for_accumulation_optax_multisteps_drops_a_bad_mini_batch():
   state = tx.init(params)
   _, state = tx.update({"w": jnp.ones(2)}, state, params)
   _, bad_state = tx.update({"w": jnp.array([jnp.nan, 1.])}, state, params)
-  assert _same_bits(bad_state.inner_opt_state, state.inner_opt_state)
-  assert _same_bits(bad_state.acc_grads, state.acc_grads)
+  assert same_bits(bad_state.inner_opt_state, state.inner_opt_state)
+  assert same_bits(bad_state.acc_grads, state.acc_grads)
   assert int(bad_state.mini_step) == int(state.mini_step) == 1
 
 
@@ -292,12 +284,12 @@ def test_update_if_finite_keeps_everything_on_a_bad_step():
   bad = {"w": jnp.array([1., jnp.inf, 1.])}
   new_params, new_state = training.update_if_finite(
       tx, bad, state, params, ls_lib.all_finite(bad))
-  assert _same_bits(new_params, params) and _same_bits(new_state, state)
+  assert same_bits(new_params, params) and same_bits(new_state, state)
   good = {"w": jnp.ones(3)}
   new_params, new_state = training.update_if_finite(
       tx, good, state, params, jnp.bool_(True))
   assert int(new_state[0].count) == 4
-  assert not _same_bits(new_params, params)
+  assert not same_bits(new_params, params)
 
 
 def test_make_train_step_skips_and_backs_off():
@@ -309,7 +301,7 @@ def test_make_train_step_skips_and_backs_off():
       lambda p, x, y, f: _mlp_loss(p, x, y, f, F16), tx))
   out = step(params, state, ls, x, y, factors)
   assert not bool(out.grads_finite)
-  assert _same_bits(out.params, params) and _same_bits(out.opt_state, state)
+  assert same_bits(out.params, params) and same_bits(out.opt_state, state)
   assert float(out.loss_scale.loss_scale) == 2. ** 14
   out = step(params, state, ls, x, y, _clean())
   assert bool(out.grads_finite) and int(out.opt_state[0].count) == 1
@@ -350,7 +342,7 @@ def test_applied_updates_equal_the_rounded_master_bit_for_bit():
       updates, state = tx.update(grads, state, half)
       assert _dtypes(updates) == {"a": jnp.float32, "b": jnp.float32}
       half = optax.apply_updates(half, updates)
-      assert _same_bits(half, training.params_from_master(state, half))
+      assert same_bits(half, training.params_from_master(state, half))
     assert _dtypes(half) == {"a": half_dtype, "b": half_dtype}
     assert _dtypes(state.inner_state[0].mu) == {"a": jnp.float32,
                                                 "b": jnp.float32}
@@ -361,10 +353,10 @@ def test_master_weights_start_from_half_params_and_a_float32_copy():
   half = {"w": copy32["w"].astype(jnp.bfloat16)}
   tx = training.master_weights(optax.sgd(1.))
   state = tx.init(copy32)
-  assert _same_bits(state.master, copy32)  # The copy is the master, exactly.
+  assert same_bits(state.master, copy32)  # The copy is the master, exactly.
   updates, state = tx.update({"w": jnp.zeros(3, jnp.bfloat16)}, state, half)
-  assert _same_bits(state.master, copy32)
-  assert _same_bits(optax.apply_updates(half, updates), half)
+  assert same_bits(state.master, copy32)
+  assert same_bits(optax.apply_updates(half, updates), half)
 
 
 def test_master_weights_start_from_half_params_only():
@@ -387,8 +379,8 @@ def test_skip_nonfinite_around_master_weights_keeps_the_master():
       tx, {"w": jnp.array([0.3, -0., 2.])}, jnp.bfloat16)
   updates, new_state = tx.update({"w": jnp.array([1., jnp.nan, 1.],
                                                  jnp.bfloat16)}, state, half)
-  assert _same_bits(optax.apply_updates(half, updates), half)
-  assert _same_bits(new_state.inner_state, state.inner_state)
+  assert same_bits(optax.apply_updates(half, updates), half)
+  assert same_bits(new_state.inner_state, state.inner_state)
 
 
 # --- Stable dtypes and compile counts -----------------------------------------
@@ -478,8 +470,8 @@ def test_fault_injection_fp16_loop_never_corrupts_and_keeps_learning():
       corrupted += 1  # An injected fault got through.
     if not bool(finite):
       skipped += 1
-      if not (_same_bits(new_params, params)
-              and _same_bits(new_state.inner_state, state.inner_state)):
+      if not (same_bits(new_params, params)
+              and same_bits(new_state.inner_state, state.inner_state)):
         corrupted += 1
       if float(new_ls.loss_scale) != max(float(ls.loss_scale) / 2, 1.):
         corrupted += 1

@@ -9,6 +9,8 @@ import pytest
 
 import mpolicy
 
+from _helpers import walk_eqns
+
 F32 = jnp.dtype(jnp.float32)
 BF16 = jnp.dtype(jnp.bfloat16)
 F16 = jnp.dtype(jnp.float16)
@@ -33,24 +35,8 @@ def _eqns(jaxpr, name):
   The interpreter runs lowered matmuls as its own ``amp_<name>`` primitive
   (half inputs, float32 accumulation), which counts as ``name`` here.
   """
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in (name, "amp_" + name):
-      found.append(eqn)
-    for sub in jax.core.subjaxprs(eqn.params) if hasattr(
-        jax.core, "subjaxprs") else _subjaxprs(eqn.params):
-      found += _eqns(sub, name)
-  return found
-
-
-def _subjaxprs(params):
-  for v in params.values():
-    vals = v if isinstance(v, (tuple, list)) else (v,)
-    for x in vals:
-      if hasattr(x, "jaxpr") and hasattr(x, "consts"):
-        yield x.jaxpr
-      elif hasattr(x, "eqns"):
-        yield x
+  return [e for e in walk_eqns(jaxpr)
+          if e.primitive.name in (name, "amp_" + name)]
 
 
 def _operand_dtypes(closed_jaxpr, name):

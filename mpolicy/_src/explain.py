@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -17,29 +17,8 @@ import numpy as np
 from mpolicy._src import interpreter
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-  """One primitive the interpreter ran.
-
-  Attributes:
-    scope: the name scope it was traced under (``""`` at top level).
-    module_class: the Haiku module class whose call it is in, if known.
-    primitive: the primitive's name, e.g. ``"dot_general"``.
-    in_dtypes: the dtypes of its inputs as they arrived.
-    ran_in: the floating dtype(s) it ran in (output dtype if no float input).
-    rule: ``"lower"``, ``"full"``, ``"promote"``, ``"inputs"``,
-      ``"explicit cast"`` or ``"as written"``.
-    decided_by: the rule's reason and the registry entry or policy in force.
-    casts: casts the interpreter inserted for it.
-  """
-  scope: str
-  module_class: Optional[str]
-  primitive: str
-  in_dtypes: tuple[str, ...]
-  ran_in: str
-  rule: str
-  decided_by: str
-  casts: int
+Row = interpreter.Decision
+"""One primitive the interpreter ran: see `interpreter.Decision`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +99,7 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
             "without a policy")
     with interpreter.recording() as rows:
       _trace(interpreter.amp(fn), args, kwargs)
-  return Report(rows=tuple(Row(**dataclasses.asdict(d)) for d in rows),
-                note=note)
+  return Report(rows=tuple(rows), note=note)
 
 
 def _trace(fn, args, kwargs) -> None:

@@ -62,7 +62,20 @@ _ACCUMULATING = frozenset({jax_compat.dot_general_p,
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """What the interpreter did with one equation (a row of `explain`)."""
+  """What the interpreter did with one primitive (a row of `explain`).
+
+  Attributes:
+    scope: the name scope it was traced under (``""`` at top level).
+    module_class: the Haiku module class whose call it is in, if known.
+    primitive: the primitive's name, e.g. ``"dot_general"``.
+    in_dtypes: the dtypes of its inputs as they arrived.
+    ran_in: the floating dtype(s) it ran in (a cast: its result dtype; no
+      floating input: its output dtype).
+    rule: ``"lower"``, ``"full"``, ``"promote"``, ``"inputs"``,
+      ``"explicit cast"`` or ``"as written"``.
+    decided_by: the rule's reason and the registry entry or policy in force.
+    casts: casts the interpreter inserted for it.
+  """
   scope: str
   module_class: Optional[str]
   primitive: str
