@@ -196,3 +196,20 @@ def test_unknown_higher_order_primitive_raises_clearly():
     amp(fn, HALF)(X)
   # Inside full_precision() it runs as written.
   np.testing.assert_array_equal(amp(full_precision()(fn), HALF)(X), X)
+
+
+def test_amp_inside_shard_map():
+  mesh = jax.make_mesh((1,), ("d",))
+  f = amp(lambda a, b: jnp.exp(a @ b), HALF)
+  g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+  assert dot_dtypes(g, X, W) == [(BF16, BF16)]
+  assert exp_dtypes(g, X, W) == [F32]
+  np.testing.assert_allclose(g(X, W), jnp.exp(X @ W), rtol=3e-2)
+  grads = jax.grad(lambda x, w: g(x, w).sum(), argnums=(0, 1))(X, W)
+  assert [gr.dtype for gr in grads] == [F32, F32]
+
+
+def test_pmap_inside_amp():
+  f = amp(jax.pmap(lambda x: jnp.exp(x @ W)), HALF)
+  assert dot_dtypes(f, X[None]) == [(BF16, BF16)]
+  np.testing.assert_allclose(f(X[None])[0], jnp.exp(X @ W), rtol=3e-2)
