@@ -34,7 +34,6 @@ import numpy as np
 import optax
 
 import mpolicy
-from mpolicy._src import training
 from examples import common
 
 FLAGS = flags.FLAGS
@@ -231,8 +230,8 @@ def train(config: Config, mp: common.MixedPrecision,
                         windows(corpus.train, starts[0], config.seq_len)[:, :-1])
     tx = optax.adam(config.learning_rate)
     if mp.skip_nonfinite:
-      tx = training.skip_nonfinite(tx)
-    grad_fn = training.scaled_value_and_grad(
+      tx = mpolicy.skip_nonfinite(tx)
+    grad_fn = mpolicy.scaled_value_and_grad(
         lambda p, b: lm_loss(model, p, b), has_aux=True)
 
     @jax.jit

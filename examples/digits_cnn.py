@@ -34,7 +34,6 @@ import numpy as np
 import optax
 
 import mpolicy
-from mpolicy._src import training
 from examples import common
 
 FLAGS = flags.FLAGS
@@ -139,9 +138,9 @@ def make_train_step(model: hk.TransformedWithState,
                     skip_nonfinite: bool) -> Callable[..., Any]:
   """A jitted step: loss-scaled grads, then an update skipped if not finite.
 
-  `training.scaled_value_and_grad` does scale -> grad -> unscale -> finite
+  `mpolicy.scaled_value_and_grad` does scale -> grad -> unscale -> finite
   check -> scale adjustment in one call; `optimizer` is expected to be
-  wrapped in `training.skip_nonfinite` when `skip_nonfinite` is set, and the
+  wrapped in `mpolicy.skip_nonfinite` when `skip_nonfinite` is set, and the
   BatchNorm state is kept too on a skipped step.
   """
 
@@ -149,7 +148,7 @@ def make_train_step(model: hk.TransformedWithState,
     logits, new_state = model.apply(params, state, None, x, is_training=True)
     return cross_entropy(logits, y), new_state
 
-  grad_fn = training.scaled_value_and_grad(loss_fn, has_aux=True)
+  grad_fn = mpolicy.scaled_value_and_grad(loss_fn, has_aux=True)
 
   @jax.jit
   def step(params, state, opt_state, loss_scale, x, y):
@@ -169,7 +168,7 @@ def make_train_step(model: hk.TransformedWithState,
 
 def make_optimizer(learning_rate: float, skip_nonfinite: bool):
   tx = optax.adam(learning_rate)
-  return training.skip_nonfinite(tx) if skip_nonfinite else tx
+  return mpolicy.skip_nonfinite(tx) if skip_nonfinite else tx
 
 
 def accuracy(model: hk.TransformedWithState, params, state, x, y) -> float:

@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpolicy
-from mpolicy._src import training
 from examples import common
 from examples import digits_cnn
 
@@ -115,7 +114,7 @@ def compiled_grads(mp: common.MixedPrecision, config: digits_cnn.Config,
       logits, _ = model.apply(params, state, None, x, is_training=True)
       return digits_cnn.cross_entropy(logits, y)
 
-    grad_fn = training.scaled_value_and_grad(loss_fn)
+    grad_fn = mpolicy.scaled_value_and_grad(loss_fn)
 
     def grads(loss_scale, params, state, x, y):
       _, finite, _, g = grad_fn(loss_scale, params, state, x, y)
