@@ -213,3 +213,31 @@ def test_pmap_inside_amp():
   f = amp(jax.pmap(lambda x: jnp.exp(x @ W)), HALF)
   assert dot_dtypes(f, X[None]) == [(BF16, BF16)]
   np.testing.assert_allclose(f(X[None])[0], jnp.exp(X @ W), rtol=3e-2)
+
+
+SPD = jnp.eye(4) * 4.0 + W @ W.T
+
+
+def test_custom_linear_solve_runs_as_traced_under_grad():
+  # jnp.linalg.solve is a custom_linear_solve: its solver jaxprs are written
+  # for the operands' dtypes, and LAPACK has no half kernels.
+  fn = lambda a, b: jnp.linalg.solve(a @ jnp.eye(4), b).sum()
+  f = amp(fn, HALF)
+  np.testing.assert_allclose(f(SPD, X[0]), fn(SPD, X[0]), rtol=2e-2)
+  (solve,) = [e for e in all_eqns(f, SPD, X[0])
+              if e.primitive.name == "custom_linear_solve"]
+  assert {v.aval.dtype for v in solve.invars
+          if jnp.issubdtype(v.aval.dtype, jnp.floating)} == {F32}
+  ga = jax.grad(f)(SPD, X[0])
+  np.testing.assert_allclose(ga, jax.grad(fn)(SPD, X[0]), rtol=5e-2, atol=1e-2)
+
+
+def test_decompositions_run_in_float32_on_half_inputs():
+  # The matmul runs in bf16; cholesky and eigh (full rule) upcast its result.
+  fn = lambda a: jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(4)).sum() + (
+      jnp.linalg.eigh(a @ a.T)[0].sum())
+  f = amp(fn, HALF)
+  prims = {e.primitive.name: e for e in all_eqns(f, W)}
+  assert prims["cholesky"].invars[0].aval.dtype == F32
+  assert prims["eigh"].invars[0].aval.dtype == F32
+  np.testing.assert_allclose(f(W), fn(W), rtol=3e-2)

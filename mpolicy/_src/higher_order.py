@@ -10,7 +10,9 @@ the primitive again with the new sub-jaxprs:
 * `cond` branches must agree on output dtypes: each output takes the widest
   dtype any branch gives it;
 * `custom_jvp` / `custom_vjp` keep their custom derivative: the rule runs on
-  the dtypes it was written for, with casts at its boundary.
+  the dtypes it was written for, with casts at its boundary;
+* `custom_linear_solve` runs exactly as traced (operands cast back to the
+  dtypes its solver was written for).
 
 A primitive with sub-jaxprs that is not in the table raises
 `UnsupportedPrimitiveError` rather than being silently skipped.
@@ -199,6 +201,13 @@ def _shard_map(scope, eqn, invals):
   return _bind(eqn, invals, jaxpr=new_jaxpr)
 
 
+def _as_traced(scope, eqn, invals):
+  """Runs the primitive exactly as traced: operands cast back to the dtypes
+  its sub-jaxprs were written for (linear solves: half has no kernels)."""
+  args = [scope.cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+  return _bind(eqn, args)
+
+
 _RULES: dict[Any, Callable[..., list]] = {
     jax_compat.jit_p: _call_rule("jaxpr"),
     jax_compat.scan_p: _scan,
@@ -214,6 +223,8 @@ if jax_compat.core_call_p is not None:
   _RULES[jax_compat.core_call_p] = _open_call_rule("call_jaxpr")
 if jax_compat.shard_map_p is not None:
   _RULES[jax_compat.shard_map_p] = _shard_map
+if jax_compat.linear_solve_p is not None:
+  _RULES[jax_compat.linear_solve_p] = _as_traced
 
 
 def rule_for(primitive) -> Optional[Callable[..., list]]:

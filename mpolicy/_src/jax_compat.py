@@ -18,12 +18,25 @@ import jax
 from jax.extend import core as jex_core
 from jax.extend import source_info_util as _siu
 
+# The rest is private JAX. Each import is used by the helpers below.
+from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
+from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import linear_util as _lu
+from jax._src import pjit as _pjit
+from jax._src import source_info_util as _siu_private
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import control_flow as _control_flow
+from jax._src.lax import convolution as _convolution
+from jax._src.lax import lax as _lax_internal
+
 # --- Name stacks ------------------------------------------------------------
 
 # `jax._src.source_info_util` is the only place the Scope/Transform entries of
 # a name stack are defined; `jax.extend` re-exports the functions but not them.
-from jax._src import source_info_util as _siu_private  # pylint: disable=g-bad-import-order
-
 _Scope = _siu_private.Scope
 _Transform = _siu_private.Transform
 
@@ -55,28 +68,6 @@ def eqn_scope_names(eqn) -> tuple[str, ...]:
   return scope_names(eqn.source_info.name_stack)
 
 
-@contextlib.contextmanager
-def eqn_context(eqn) -> Iterator[None]:
-  """Re-binds under the equation's own traceback and name stack.
-
-  Keeping the name stack means a re-evaluated equation lands in the same
-  scope of the new jaxpr, so an outer interpreter (or a profiler) still
-  sees where it came from.
-  """
-  with _siu.user_context(eqn.source_info.traceback,
-                         name_stack=eqn.source_info.name_stack):
-    yield
-
-
-@contextlib.contextmanager
-def extend_name_stack(names: tuple[str, ...]) -> Iterator[None]:
-  """Pushes several scope names at once (used to carry a prefix down)."""
-  with contextlib.ExitStack() as stack:
-    for name in names:
-      stack.enter_context(_siu.extend_name_stack(name))
-    yield
-
-
 def current_name_stack():
   """The name stack in force at this point of tracing (an opaque object)."""
   return _siu.current_name_stack()
@@ -105,42 +96,9 @@ Var = jex_core.Var
 Primitive = jex_core.Primitive
 DropVar = jex_core.DropVar
 
-__all__ = [
-    "aval_of",
-    "current_name_stack",
-    "eqn_context_under",
-    "bind",
-    "jaxprs_in_params",
-    "trace_to_closed_jaxpr",
-    "ClosedJaxpr",
-    "DropVar",
-    "Jaxpr",
-    "JaxprEqn",
-    "Literal",
-    "Primitive",
-    "Var",
-    "current_scope_names",
-    "eqn_context",
-    "eqn_scope_names",
-    "extend_name_stack",
-    "scope_names",
-]
-
-
-
 
 # --- Primitives, matched by identity ----------------------------------------
 
-from jax._src import ad_checkpoint as _ad_checkpoint  # pylint: disable=g-bad-import-order,g-import-not-at-top
-from jax._src import core as _core  # pylint: disable=g-import-not-at-top
-from jax._src import custom_derivatives as _custom_derivatives  # pylint: disable=g-import-not-at-top
-from jax._src import linear_util as _lu  # pylint: disable=g-import-not-at-top
-from jax._src import pjit as _pjit  # pylint: disable=g-import-not-at-top
-from jax._src.interpreters import ad as _ad  # pylint: disable=g-import-not-at-top
-from jax._src.interpreters import batching as _batching  # pylint: disable=g-import-not-at-top
-from jax._src.interpreters import mlir as _mlir  # pylint: disable=g-import-not-at-top
-from jax._src.interpreters import partial_eval as _pe  # pylint: disable=g-import-not-at-top
-from jax._src.lax import lax as _lax_internal  # pylint: disable=g-import-not-at-top
 
 try:
   from jax._src import shard_map as _shard_map  # pylint: disable=g-import-not-at-top
@@ -169,12 +127,8 @@ remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
 closed_call_p = _optional(_core, "closed_call_p")
+linear_solve_p = _optional(_control_flow, "linear_solve_p")
 core_call_p = _optional(_core, "call_p")
-try:
-  from jax._src.interpreters import pxla as _pxla  # pylint: disable=g-import-not-at-top
-  xla_pmap_p = _optional(_pxla, "xla_pmap_p")
-except ImportError:
-  xla_pmap_p = None
 
 # Primitives whose jaxpr params are small scalar combiners (the `add` of a
 # scatter-add, the monoid of a generic reduce), not user code: the
@@ -253,10 +207,6 @@ def wrap_thunk(fn, like):
   return _lu.wrap_init(fn, debug_info=like.debug_info)
 
 
-def is_symbolic_zero(x) -> bool:
-  return type(x) is _ad.Zero or type(x) is _custom_derivatives.SymbolicZero  # pylint: disable=unidiomatic-typecheck
-
-
 # --- Defining a primitive ---------------------------------------------------
 
 def new_primitive(name: str) -> Primitive:
@@ -278,16 +228,6 @@ def define_batching(primitive, rule) -> None:
   _batching.primitive_batchers[primitive] = rule
 
 
-def dot_general_transpose_lhs(ct, x, y, **params):
-  """JAX's dot_general transpose for the lhs (dimension bookkeeping)."""
-  return _lax_internal._dot_general_transpose_lhs(ct, x, y, **params)  # pylint: disable=protected-access
-
-
-def dot_general_transpose_rhs(ct, x, y, **params):
-  """JAX's dot_general transpose for the rhs (dimension bookkeeping)."""
-  return _lax_internal._dot_general_transpose_rhs(ct, x, y, **params)  # pylint: disable=protected-access
-
-
 def dot_general_batch_dim_nums(ndims, batch_dims, dimension_numbers):
   """JAX's new dimension numbers for a vmapped dot_general."""
   return _lax_internal._dot_general_batch_dim_nums(  # pylint: disable=protected-access
@@ -305,9 +245,6 @@ def with_dtype(aval, dtype, weak_type: bool = False):
 
 def tangent_aval(aval):
   return aval.to_tangent_aval()
-
-
-from jax._src.lax import convolution as _convolution  # pylint: disable=g-bad-import-order,g-import-not-at-top
 
 
 def conv_transpose_lhs(ct, lhs, rhs, **params):
@@ -336,3 +273,52 @@ def conv_batch(batched_args, batch_dims, **params):
   """
   return _convolution._conv_general_dilated_batch_rule(  # pylint: disable=protected-access
       None, batched_args, batch_dims, **params)
+
+
+__all__ = [
+    "aval_of",
+    "bind",
+    "bitcast_convert_type_p",
+    "closed_call_p",
+    "ClosedJaxpr",
+    "cond_p",
+    "conv_batch",
+    "conv_general_dilated_p",
+    "conv_transpose_lhs",
+    "conv_transpose_rhs",
+    "convert_element_type_p",
+    "core_call_p",
+    "current_name_stack",
+    "current_scope_names",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "define_batching",
+    "define_bilinear",
+    "define_lowering",
+    "dot_general_batch_dim_nums",
+    "dot_general_p",
+    "DropVar",
+    "eqn_context_under",
+    "eqn_scope_names",
+    "Jaxpr",
+    "JaxprEqn",
+    "jaxprs_in_params",
+    "jit_p",
+    "linear_solve_p",
+    "Literal",
+    "new_primitive",
+    "open_jaxpr_with_consts_first",
+    "Primitive",
+    "remat_p",
+    "SCALAR_COMBINER_PRIMITIVES",
+    "scan_p",
+    "scope_names",
+    "shaped_array",
+    "shard_map_p",
+    "tangent_aval",
+    "trace_to_closed_jaxpr",
+    "Var",
+    "while_p",
+    "with_dtype",
+    "wrap_thunk",
+]

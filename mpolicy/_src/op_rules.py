@@ -42,6 +42,8 @@ _LOWER_CONV = "convolution: half inputs, float32 accumulation (autocast fp16 lis
 _FULL_TRANSCENDENTAL = "range/precision loss in half (autocast fp32 list)"
 _FULL_SUM = "sums many values: accumulate in float32 (autocast fp32 list)"
 _PROMOTE = "combines several inputs: widest dtype (autocast promote list)"
+_FULL_LINALG = ("linear algebra: no half kernels, unstable in half "
+                "(autocast fp32 list)")
 
 # One entry per primitive: (class, reason). Names are `Primitive.name`.
 _DEFAULT_TABLE: dict[str, tuple[str, str]] = {
@@ -79,6 +81,13 @@ _DEFAULT_TABLE: dict[str, tuple[str, str]] = {
     "cumsum": (FULL, _FULL_SUM),
     "cumprod": (FULL, "products of many values overflow half (autocast fp32 list)"),
     "cumlogsumexp": (FULL, _FULL_SUM),
+    # full: linear algebra. LAPACK has no half kernels, and decompositions
+    # and solves lose too much in half (autocast runs them in float32).
+    **{name: (FULL, _FULL_LINALG) for name in (
+        "cholesky", "cholesky_update", "eig", "eigh", "hessenberg",
+        "householder_product", "lu", "ormqr", "qr", "schur", "svd",
+        "symmetric_product", "triangular_solve", "tridiagonal",
+        "tridiagonal_solve")},
     # promote: operations that combine several inputs into one array.
     "concatenate": (PROMOTE, _PROMOTE),
     "select_n": (PROMOTE, _PROMOTE),
