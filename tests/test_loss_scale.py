@@ -364,3 +364,14 @@ def test_select_tree_rejects_non_scalar_or_non_bool():
 def test_select_tree_rejects_mismatched_structure():
   with pytest.raises(ValueError):
     ls_lib.select_tree(FINITE, {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+
+
+def test_unittest_assert_warns_works_with_mpolicy_imported():
+  # jmp's own suite checks these warnings with unittest's assertWarnsRegex,
+  # which reads `__warningregistry__` on every loaded module; Haiku's flax
+  # stand-in module used to raise ImportError there.
+  import unittest  # pylint: disable=g-import-not-at-top
+  case = unittest.TestCase()
+  with case.assertWarnsRegex(Warning, "Expected floating type for loss_scale"):
+    DynamicLossScale(jnp.asarray(1, dtype=jnp.int32))
+

@@ -372,3 +372,12 @@ def test_is_float_array_sees_tracers():
 ])
 def test_dtype_name(dtype, name):
   assert policy_lib.dtype_name(dtype) == name
+
+
+def test_jmp_name_tables_match_str():
+  for dtype in (np.float16, jnp.float16, jnp.bfloat16, np.float32,
+                jnp.float32):
+    policy = policy_lib.Policy(dtype, dtype, dtype)
+    expected = policy_lib.dtype_to_names[dtype][0]
+    assert str(policy) == f"p={expected},c={expected},o={expected}"
+    assert policy_lib.name_to_dtype[expected] == dtype

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 import contextlib
 import functools
+import sys
 import threading
 from typing import Any, Optional
 
@@ -32,6 +33,17 @@ from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
+
+
+# Without flax, Haiku puts a stand-in module at `haiku.experimental.flax`
+# whose every attribute raises ImportError, `__warningregistry__` included.
+# `unittest`'s assertWarns reads that attribute on every loaded module, so
+# any test using it failed once haiku was imported. An empty registry on
+# the stand-in answers the read; nothing else changes.
+_FLAX_STAND_IN = sys.modules.get("haiku.experimental.flax")
+if (_FLAX_STAND_IN is not None
+    and type(_FLAX_STAND_IN).__name__ == "FlaxNotInstalled"):
+  _FLAX_STAND_IN.__warningregistry__ = {}
 
 
 class _CallStack(threading.local):

@@ -27,6 +27,11 @@ _DTYPE_NAMES: tuple[tuple[Any, tuple[str, ...]], ...] = (
 _NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES for name in names}
 _SHORT_NAME = {np.dtype(dt): names[0] for dt, names in _DTYPE_NAMES}
 
+# jmp keeps these two tables in its policy module and its tests read them;
+# here the first name of each dtype is the one `str(policy)` writes.
+dtype_to_names = dict(_DTYPE_NAMES)
+name_to_dtype = dict(_NAME_TO_DTYPE)
+
 _KEYS = {"p": "param", "params": "param",
          "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}
