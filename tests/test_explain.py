@@ -78,3 +78,34 @@ def test_plain_function_is_explained_as_amp():
   report = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
   assert "not amp-ed" in report.note
   assert _rows(report, "exp")[0].ran_in == "float32"
+
+
+def test_haiku_model_with_full_batchnorm_inside_bf16_model():
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import mpolicy  # pylint: disable=g-import-not-at-top
+  mpolicy.set_policy(hk.Module, HALF)
+  mpolicy.set_policy(hk.BatchNorm, "full")
+
+  def forward(x, is_training):
+    x = hk.Linear(8)(x)
+    x = hk.BatchNorm(True, True, 0.9)(x, is_training)
+    return hk.Linear(2)(jax.nn.relu(x))
+
+  model = mpolicy.transform_amp_with_state(forward)
+  x = jnp.ones((4, 3))
+  params, state = model.init(jax.random.PRNGKey(0), x, True)
+  report = mpolicy.explain(model.apply, params, state, None, x, True)
+  assert report.note == ""  # transform_amp's apply is interpreted already.
+  dots = _rows(report, "dot_general")
+  assert [(r.scope, r.module_class, r.ran_in) for r in dots] == [
+      ("linear", "hk.Linear", "bfloat16"), ("linear_1", "hk.Linear", "bfloat16")]
+  assert all("default hk.Module" in r.decided_by for r in dots)
+  bn = [r for r in report.rows if r.module_class == "hk.BatchNorm"]
+  assert bn and {r.ran_in for r in bn} <= {"float32", "int32"}
+  (rsqrt,) = _rows(report, "rsqrt")
+  assert rsqrt.scope == "batch_norm" and rsqrt.ran_in == "float32"
+  ema = [r for r in report.rows if r.module_class == "hk.ExponentialMovingAverage"]
+  assert ema and all(r.ran_in in ("float32", "int32") for r in ema)
+  text = str(report)
+  assert "hk.BatchNorm" in text and "bfloat16" in text
+  assert report.to_dict()["totals"]["casts_inserted"] == report.casts_inserted

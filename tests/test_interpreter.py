@@ -237,3 +237,29 @@ def test_amp_marks_function():
 def test_rejects_bad_rules():
   with pytest.raises(TypeError, match="OpRules"):
     amp(jnp.sin, rules={"exp": "full"})
+
+
+def test_named_scope_prefix_is_carried_into_nested_jit():
+  # Inside the jit's jaxpr the dot's name stack is relative (empty); the
+  # interpreter carries the enclosing "encoder" scope down.
+  def fn(x, w):
+    with jax.named_scope("encoder"):
+      return jax.jit(lambda a, b: jnp.tanh(a @ b))(x, w)
+  with registry.push_policy("encoder", HALF):
+    f = amp(fn)
+    assert in_dtypes(f, X, W, prim="amp_dot_general") == [(BF16, BF16)]
+    assert in_dtypes(f, X, W, prim="dot_general") == []
+
+
+def test_named_scope_pattern_reaches_through_jvp_and_transpose_names():
+  # amp of a gradient: JAX names the backward equations
+  # transpose(jvp(encoder)); the pattern still governs them.
+  def loss(x, w):
+    with jax.named_scope("encoder"):
+      return jnp.sum(jnp.tanh(x @ w))
+  with registry.push_policy("encoder", HALF):
+    f = amp(jax.grad(loss, argnums=1))
+    dots = in_dtypes(f, X, W, prim="amp_dot_general")
+    assert dots == [(BF16, BF16)] * 2
+    assert in_dtypes(f, X, W, prim="dot_general") == []
+    assert f(X, W).dtype == F32
