@@ -40,10 +40,15 @@ from mpolicy._src import registry
 # `unittest`'s assertWarns reads that attribute on every loaded module, so
 # any test using it failed once haiku was imported. An empty registry on
 # the stand-in answers the read; nothing else changes.
-_FLAX_STAND_IN = sys.modules.get("haiku.experimental.flax")
-if (_FLAX_STAND_IN is not None
-    and type(_FLAX_STAND_IN).__name__ == "FlaxNotInstalled"):
-  _FLAX_STAND_IN.__warningregistry__ = {}
+# (No module-level reference to the stand-in: tools that walk a module's
+# globals, like doctest, would trip over it the same way.)
+def _answer_warningregistry_on_flax_stand_in() -> None:
+  stand_in = sys.modules.get("haiku.experimental.flax")
+  if stand_in is not None and type(stand_in).__name__ == "FlaxNotInstalled":
+    stand_in.__warningregistry__ = {}
+
+
+_answer_warningregistry_on_flax_stand_in()
 
 
 class _CallStack(threading.local):

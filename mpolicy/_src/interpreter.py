@@ -486,14 +486,23 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   config = _Config(rules=rules, outer=outer)
 
   def run(leaves, treedef, traced, arrays):
+    out_trees = []
+
     def flat_fn(*arrs):
       it = iter(arrs)
       full = [next(it) if t else x for x, t in zip(leaves, traced)]
       a, k = jax.tree_util.tree_unflatten(treedef, full)
-      return fn(*a, **k)
+      outs, out_tree = jax.tree_util.tree_flatten(fn(*a, **k))
+      out_trees.append(out_tree)
+      return outs
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-    out_avals, out_tree = jax.tree_util.tree_flatten(out_shape)
+    # Traced at the arguments' own avals, so that what `make_jaxpr` would
+    # drop is kept: inside `shard_map`, which mesh axes a value varies over
+    # (JAX then inserts the `pvary`s that mixing varying and replicated
+    # values needs).
+    closed = jax_compat.trace_to_closed_jaxpr(
+        flat_fn, [jax_compat.aval_of(a) for a in arrays])
+    out_avals, out_tree = closed.out_avals, out_trees[-1]
     _recording.runs += 1
     env = _Env()
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, arrays,

@@ -234,10 +234,6 @@ def dot_general_batch_dim_nums(ndims, batch_dims, dimension_numbers):
       ndims, batch_dims, dimension_numbers)
 
 
-def shaped_array(shape, dtype, weak_type: bool = False):
-  return _core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
-
-
 def with_dtype(aval, dtype, weak_type: bool = False):
   """``aval`` with another dtype (keeps shape, sharding, vma, ...)."""
   return aval.update(dtype=dtype, weak_type=weak_type)
@@ -313,7 +309,6 @@ __all__ = [
     "SCALAR_COMBINER_PRIMITIVES",
     "scan_p",
     "scope_names",
-    "shaped_array",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",

@@ -34,12 +34,14 @@ amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated"
 # --- Shared by both primitives ----------------------------------------------
 
 def _abstract_eval(composite, lhs, rhs, **params):
-  """The aval of ``composite`` (the primitive's meaning in plain JAX)."""
-  out = jax.eval_shape(
-      functools.partial(composite, **params),
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
-  return jax_compat.shaped_array(out.shape, out.dtype)
+  """The aval of ``composite`` (the primitive's meaning in plain JAX).
+
+  Traced at the operands' own avals, so what they carry besides shape and
+  dtype (inside `shard_map`: the mesh axes they vary over) carries over.
+  """
+  closed = jax_compat.trace_to_closed_jaxpr(
+      lambda a, b: [composite(a, b, **params)], [lhs, rhs])
+  return closed.out_avals[0]
 
 
 def _define(primitive, composite, lhs_transpose, rhs_transpose, batch):
