@@ -30,3 +30,32 @@ def same_bits(a, b) -> bool:
   """Whether two pytrees have the same structure and bit-identical leaves."""
   return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
           and bits(a) == bits(b))
+
+
+def facts_on_eight_devices(script: str) -> dict:
+  """Runs ``script`` in a Python with 8 simulated CPU devices.
+
+  The script prints one line ``FACTS=<json>``; the parsed JSON is returned.
+  The pytest process itself keeps its single device.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(repo), env.get("PYTHONPATH")) if p)
+  proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300)
+  if proc.returncode != 0:
+    pytest.fail("multi-device subprocess failed:\n" + proc.stderr[-4000:])
+  line = [l for l in proc.stdout.splitlines() if l.startswith("FACTS=")][-1]
+  return json.loads(line[len("FACTS="):])

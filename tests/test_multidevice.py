@@ -9,15 +9,10 @@ which the tests below assert on.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
+from _helpers import facts_on_eight_devices
 
 _SCRIPT = r'''
 import json
@@ -136,18 +131,7 @@ print("FACTS=" + json.dumps(facts))
 
 @functools.cache
 def _facts() -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=_REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
-  if proc.returncode != 0:
-    pytest.fail("multi-device subprocess failed:\n" + proc.stderr[-4000:])
-  line = [l for l in proc.stdout.splitlines() if l.startswith("FACTS=")][-1]
-  return json.loads(line[len("FACTS="):])
+  return facts_on_eight_devices(_SCRIPT)
 
 
 def test_the_subprocess_sees_eight_devices():
