@@ -28,6 +28,14 @@ class Report:
   Attributes:
     rows: one `Row` per primitive run, in trace order.
     note: how the function was interpreted (e.g. wrapped in `amp`).
+
+  >>> import jax.numpy as jnp
+  >>> from mpolicy._src.interpreter import amp
+  >>> report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
+  >>> report.ops_per_dtype, report.casts_inserted
+  ({'float32': 1}, 1)
+
+  See also: `explain`.
   """
   rows: tuple[Row, ...]
   note: str = ""

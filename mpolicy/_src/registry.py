@@ -348,6 +348,8 @@ class PolicyExplanation:
       described in ``reason``.
     reason: a sentence saying why.
     candidates: every entry that matched, most specific first.
+
+  See also: `explain_policy`, which returns it.
   """
   policy: Optional[policy_lib.Policy]
   key: Optional[Key]
