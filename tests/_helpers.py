@@ -59,3 +59,17 @@ def facts_on_eight_devices(script: str) -> dict:
     pytest.fail("multi-device subprocess failed:\n" + proc.stderr[-4000:])
   line = [l for l in proc.stdout.splitlines() if l.startswith("FACTS=")][-1]
   return json.loads(line[len("FACTS="):])
+
+
+def multiplies_in(eqn) -> tuple:
+  """The dtypes an equation's operands are multiplied in.
+
+  mpolicy's matmul primitive takes float32 parameters as they are and casts
+  them to its ``compute_dtype`` inside (so their gradients skip a round trip
+  through half); for it, that dtype is what the operands run in. For any
+  other equation it is the operands' own dtypes.
+  """
+  compute = eqn.params.get("compute_dtype")
+  if compute is not None:
+    return tuple(np.dtype(compute) for _ in eqn.invars)
+  return tuple(np.dtype(v.aval.dtype) for v in eqn.invars)

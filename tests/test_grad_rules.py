@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _helpers import multiplies_in
+
 from mpolicy._src import lowp
 from mpolicy._src.interpreter import amp
 
@@ -49,7 +51,7 @@ def test_backward_matmuls_are_half_by_half():
   dots = dot_eqns(jax.make_jaxpr(grad)(X, W, V))
   assert len(dots) == 6  # 2 forward + 2 x 2 backward.
   for eqn in dots:
-    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+    assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
 def test_backward_matmuls_accumulate_in_f32_in_hlo():
@@ -196,7 +198,7 @@ def test_backward_convs_are_half_by_half_in_jaxpr(groups):
   assert len(convs) == 6  # 2 forward + 2 x 2 backward.
   for eqn in convs:
     assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
-    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+    assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
 @GROUPS
@@ -274,7 +276,7 @@ def test_vmap_of_conv_grad_keeps_the_primitive(groups, in_axes):
   assert len(convs) == 6
   for eqn in convs:
     assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
-    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+    assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
 @GROUPS
@@ -316,7 +318,7 @@ def test_second_order_conv_grads_stay_half_by_half():
   assert len(convs) > 6
   for eqn in convs:
     assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
-    assert [np.dtype(v.aval.dtype) for v in eqn.invars] == [BF16, BF16], eqn
+    assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
   want = jax.grad(lambda k: jnp.sum(
       jax.grad(convnet, argnums=1)(IMG, k, k2) ** 2))(K1)
   np.testing.assert_allclose(jax.grad(gnorm)(K1), want, rtol=1e-1,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _helpers import all_eqns
+from _helpers import all_eqns, multiplies_in
 from jax.sharding import PartitionSpec as P
 
 from mpolicy._src import jax_compat
@@ -23,7 +23,7 @@ W = jnp.linspace(-0.5, 0.5, 16, dtype=F32).reshape(4, 4)
 
 def dot_dtypes(fn, *args):
   """Operand dtypes of every matmul, forward and backward."""
-  return [tuple(np.dtype(v.aval.dtype) for v in e.invars)
+  return [multiplies_in(e)
           for e in all_eqns(fn, *args) if "dot_general" in e.primitive.name]
 
 

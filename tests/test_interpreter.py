@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _helpers import all_eqns
+from _helpers import all_eqns, multiplies_in
 
 from mpolicy._src import registry
 from mpolicy._src.interpreter import amp
@@ -20,7 +20,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def in_dtypes(fn, *args, prim):
-  return [tuple(np.dtype(v.aval.dtype) for v in e.invars)
+  return [multiplies_in(e)
           for e in all_eqns(fn, *args) if e.primitive.name == prim]
 
 

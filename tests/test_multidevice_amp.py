@@ -36,7 +36,8 @@ def dots(fn, *args):
   def walk(jaxpr):
     for e in jaxpr.eqns:
       if "dot_general" in e.primitive.name:
-        found.append([str(v.aval.dtype) for v in e.invars])
+        compute = e.params.get("compute_dtype")  # Casts inside, see lowp.
+        found.append([str(compute or v.aval.dtype) for v in e.invars])
       for v in e.params.values():
         for s in (v if isinstance(v, (tuple, list)) else (v,)):
           if hasattr(s, "eqns") or hasattr(s, "jaxpr"):

@@ -9,7 +9,7 @@ import pytest
 
 import mpolicy
 
-from _helpers import walk_eqns
+from _helpers import multiplies_in, walk_eqns
 
 F32 = jnp.dtype(jnp.float32)
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -40,8 +40,7 @@ def _eqns(jaxpr, name):
 
 
 def _operand_dtypes(closed_jaxpr, name):
-  return [tuple(jnp.dtype(v.aval.dtype) for v in e.invars)
-          for e in _eqns(closed_jaxpr.jaxpr, name)]
+  return [multiplies_in(e) for e in _eqns(closed_jaxpr.jaxpr, name)]
 
 
 class Probe(hk.Module):

@@ -145,6 +145,7 @@ class _Env:
   def __init__(self):
     self.values: dict[Any, Any] = {}
     self._casts: dict[tuple[int, np.dtype], Any] = {}
+    self._wider: dict[int, Any] = {}  # Down-cast value -> its source.
     self._keep: list[Any] = []  # Keeps ids in `_casts` alive.
     self.inserted = 0
 
@@ -169,9 +170,16 @@ class _Env:
     self._casts[key] = y
     self._keep += [x, y]
     self.inserted += 1
-    if _is_float(src) and _is_float(dtype) and dtype.itemsize > src.itemsize:
-      self._casts[(id(y), src)] = x  # Exact up-cast: casting back is free.
+    if _is_float(src) and _is_float(dtype):
+      if dtype.itemsize > src.itemsize:
+        self._casts[(id(y), src)] = x  # Exact up-cast: casting back is free.
+      else:
+        self._wider[id(y)] = x
     return y
+
+  def wider_source(self, x):
+    """The wider float value ``x`` was cast down from here, else ``x``."""
+    return self._wider.get(id(x), x)
 
 
 # --- Configuration of one run -------------------------------------------------
@@ -411,9 +419,14 @@ def _lower(env: _Env, eqn, args, compute) -> list:
   if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
     out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
   if prim is jax_compat.dot_general_p:
+    # Operands cast down from float32 (a parameter, typically) go in as
+    # float32: the primitive casts them itself, and their gradients then
+    # come from its float32 accumulator, not rounded to half and back.
+    lhs, rhs = (env.wider_source(a) for a in args)
     return [lowp.amp_dot_general(
-        args[0], args[1], dimension_numbers=eqn.params["dimension_numbers"],
-        precision=eqn.params.get("precision"), out_dtype=out_dtype)]
+        lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
+        precision=eqn.params.get("precision"), out_dtype=out_dtype,
+        compute_dtype=compute)]
   if eqn.params.get("out_sharding") is None:
     params = {k: v for k, v in eqn.params.items()
               if k not in ("preferred_element_type", "out_sharding")}

@@ -64,10 +64,20 @@ def _cast(x, dtype):
 # --- amp_dot_general ----------------------------------------------------------
 
 def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
-                    out_dtype: Any):
-  """``dot_general`` of half ``lhs``, ``rhs``, float32 accumulation, cast."""
+                    out_dtype: Any, compute_dtype: Any = None):
+  """``dot_general`` in ``compute_dtype``, float32 accumulation, cast.
+
+  The operands are cast to ``compute_dtype`` (default: ``lhs``'s dtype)
+  inside the primitive. So a float32 parameter can be passed as it is: the
+  forward pass multiplies its half copy, and its gradient comes straight
+  from the float32 accumulator instead of being rounded to half and back.
+  """
+  compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
+                           else compute_dtype)
   return amp_dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
-                                precision=precision, out_dtype=np.dtype(out_dtype))
+                                precision=precision,
+                                out_dtype=np.dtype(out_dtype),
+                                compute_dtype=compute_dtype)
 
 
 def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
@@ -116,8 +126,10 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
   return out.reshape(batch + free_sizes)
 
 
-def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype):
-  out = _canonical_dot(lhs, rhs, dimension_numbers, precision)
+def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+                   compute_dtype):
+  out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
+                       dimension_numbers, precision)
   return out.astype(out_dtype)
 
 
@@ -131,7 +143,8 @@ def _ndim(x) -> int:
   return len(aval.shape) if aval is not None else np.ndim(x)
 
 
-def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype):
+def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
+                   compute_dtype):
   """The cotangent of one operand: another amp dot (half x half, float32
   accumulation), so backward matmuls keep the rules at every order.
 
@@ -168,25 +181,28 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype):
   other_first.update({d: nb + len(own_c) + i for i, d in enumerate(own_f)})
   ndim = _ndim(operand)
   identity = tuple(range(ndim))
-  ct = _cast(ct, other.dtype)
+  ct = _cast(ct, compute_dtype)
   if tuple(other_first[d] for d in range(ndim)) == identity:
     dims = ((tuple(other_f), ct_other), (tuple(other_b), batch))
     return amp_dot_general(other, ct, dimension_numbers=dims,
-                           precision=precision, out_dtype=operand.aval.dtype)
+                           precision=precision, out_dtype=operand.aval.dtype,
+                           compute_dtype=compute_dtype)
   dims = ((ct_other, tuple(other_f)), (batch, tuple(other_b)))
   out = amp_dot_general(ct, other, dimension_numbers=dims, precision=precision,
-                        out_dtype=operand.aval.dtype)
+                        out_dtype=operand.aval.dtype,
+                        compute_dtype=compute_dtype)
   perm = tuple(ct_first[d] for d in range(ndim))
   return out if perm == identity else jax.lax.transpose(out, perm)
 
 
 def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
-               out_dtype):
+               out_dtype, compute_dtype):
   lhs, rhs = batched_args
   new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
       (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)
   out = amp_dot_general(lhs, rhs, dimension_numbers=new_dims,
-                        precision=precision, out_dtype=out_dtype)
+                        precision=precision, out_dtype=out_dtype,
+                        compute_dtype=compute_dtype)
   return out, out_dim
 
 
