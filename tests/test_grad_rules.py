@@ -323,3 +323,16 @@ def test_second_order_conv_grads_stay_half_by_half():
       jax.grad(convnet, argnums=1)(IMG, k, k2) ** 2))(K1)
   np.testing.assert_allclose(jax.grad(gnorm)(K1), want, rtol=1e-1,
                              atol=5e-2 * float(jnp.max(jnp.abs(want))))
+
+
+def test_weight_gradient_is_not_rounded_to_half():
+  # d/dW sum(x @ W) is x's column sums: the primitive accumulates them in
+  # float32 from bf16 x, and hands the float32 weight its gradient without
+  # rounding it to bf16 and back (jmp's casts would).
+  x = jax.random.normal(jax.random.key(3), (64, 8), F32)
+  w = jnp.ones((8, 4), F32)
+  grad = jax.jit(jax.grad(lambda w: amp(lambda x, w: x @ w, HALF)(x, w).sum()))(w)
+  sums = np.asarray(x.astype(jnp.bfloat16).astype(F32)).sum(0)
+  np.testing.assert_allclose(grad, np.repeat(sums[:, None], 4, 1), rtol=1e-6)
+  rounded = sums.astype(jnp.bfloat16).astype(F32)
+  assert not np.allclose(rounded, sums, rtol=1e-6)  # The test can fail.
