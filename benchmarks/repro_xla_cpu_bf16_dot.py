@@ -5,7 +5,10 @@
 # and float32 accumulation, for a 3-D x, compiles to a standalone
 # bf16 x bf16 -> f32 DotThunk that fails at run time with
 # "UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
-# (Pure JAX; mirrors the jaxpr of jax.grad(transform_amp(hk.Linear)) on a 3-D input.)
+# (Pure JAX; mirrors the jaxpr jax.grad(transform_amp(hk.Linear)) on a 3-D
+# input had before mpolicy's amp_dot_general learned to lower every dot as
+# one batched [B,M,K] x [B,K,N] product, which XLA:CPU runs. Kept to show
+# the XLA limitation that lowering works around.)
 import sys
 import jax, jax.numpy as jnp
 from jax import lax
