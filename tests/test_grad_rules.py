@@ -336,3 +336,22 @@ def test_weight_gradient_is_not_rounded_to_half():
   np.testing.assert_allclose(grad, np.repeat(sums[:, None], 4, 1), rtol=1e-6)
   rounded = sums.astype(jnp.bfloat16).astype(F32)
   assert not np.allclose(rounded, sums, rtol=1e-6)  # The test can fail.
+
+
+def test_bias_gradient_sums_in_float32():
+  # d/db sum(linear(x)) sums the cotangent over the batch: JAX's AD writes
+  # that sum after the interpreter ran. The bridge hands the module a bf16
+  # copy of its float32 bias; broadcasting the float32 bias before the cast
+  # makes the gradient's sum a float32 one.
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import mpolicy  # pylint: disable=g-import-not-at-top
+  mpolicy.set_policy(hk.Linear, HALF)
+  model = mpolicy.transform_amp(lambda x: hk.Linear(4)(x))
+  x = jnp.ones((4096, 8), F32)
+  params = model.init(jax.random.key(0), x)
+  loss = lambda p: model.apply(p, None, x).sum()
+  sums = eqns_named(jax.make_jaxpr(jax.grad(loss))(params), "reduce_sum")
+  assert sums and all(np.dtype(e.invars[0].aval.dtype) == F32 for e in sums)
+  grad = jax.jit(jax.grad(loss))(params)
+  np.testing.assert_array_equal(grad["linear"]["b"],
+                                np.full(4, 4096.0, np.float32))

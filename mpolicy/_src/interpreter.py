@@ -368,6 +368,18 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
             for a in args]
     outs, _ = _bind_natural(env, eqn, args)
     rule, why = "full", f"full: {config.rules.reason_of(prim.name)}"
+  elif (prim is jax_compat.broadcast_in_dim_p and rule != "as written"
+        and op_class is None
+        and env.wider_source(args[0]) is not args[0]):
+    # A broadcast of a value cast down from float32 (a bias, typically):
+    # broadcast the float32 value, then cast. The values are the same, and
+    # under grad the transpose (a sum over the broadcast dims) accumulates
+    # in float32 instead of in half.
+    wide = env.wider_source(args[0])
+    outs = [env.cast(o, _dtype(args[0]))
+            for o in _bind(eqn, [wide, *args[1:]])]
+    why = ("broadcast of a down-cast value: broadcast in its wider dtype, "
+           "then cast (its gradient sums in float32)")
   else:
     if op_class == op_rules_lib.PROMOTE:
       floats = [_dtype(a) for a in args if _is_float(_dtype(a))]

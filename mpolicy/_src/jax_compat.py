@@ -115,6 +115,7 @@ def _optional(module, name):
   return getattr(module, name, None)
 
 
+broadcast_in_dim_p = jax.lax.broadcast_in_dim_p
 dot_general_p = jax.lax.dot_general_p
 conv_general_dilated_p = jax.lax.conv_general_dilated_p
 convert_element_type_p = jax.lax.convert_element_type_p
@@ -274,6 +275,7 @@ def conv_batch(batched_args, batch_dims, **params):
 __all__ = [
     "aval_of",
     "bind",
+    "broadcast_in_dim_p",
     "bitcast_convert_type_p",
     "closed_call_p",
     "ClosedJaxpr",
