@@ -433,14 +433,6 @@ def explain_policy(module_name_or_class: Union[str, type],
       reason=f"{subject}: {policy} from {why}.")
 
 
-def default_region() -> Optional[regions.Region]:
-  """The region of the `hk.Module` default (rule 4), or ``None``."""
-  policy = _REGISTRY.snapshot().get(hk.Module)
-  if policy is None:
-    return None
-  return regions.Region(policy=policy, decided_by="default hk.Module")
-
-
 def state_key() -> frozenset:
   """A hashable snapshot of the entries in force for this thread.
 
