@@ -391,3 +391,27 @@ def test_patterns_inside_layer_stack_match_lift_relative_names():
   jaxpr = jax.make_jaxpr(f.apply)(params, None, x)
   assert _operand_dtypes(jaxpr, "dot_general") == [(BF16, BF16)]
   assert f.apply(params, None, x).dtype == F32
+
+
+def test_full_precision_block_inside_a_haiku_forward():
+  mpolicy.set_policy(hk.Module, HALF)
+
+  def forward(x):
+    y = Probe(name="half")(x)
+    with mpolicy.full_precision():
+      z = Probe(name="exact")(x)
+    return y, z
+
+  f = mpolicy.transform_amp(forward)
+  x = jnp.ones([2, 3])
+  params = f.init(KEY, x)
+  Probe.seen = []
+  y, z = f.apply(params, None, x)
+  half, exact = Probe.seen
+  assert half["input"] == BF16 and half["policy"] is not None
+  assert exact["input"] == F32 and exact["w"] == F32
+  assert exact["policy"] is None
+  assert y.dtype == F32 and z.dtype == F32
+  jaxpr = jax.make_jaxpr(f.apply)(params, None, x)
+  assert sorted(_operand_dtypes(jaxpr, "dot_general")) == sorted(
+      [(BF16, BF16), (F32, F32)])
