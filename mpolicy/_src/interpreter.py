@@ -56,6 +56,12 @@ _AS_TRACED = frozenset({jax_compat.bitcast_convert_type_p})
 _ACCUMULATING = frozenset({jax_compat.dot_general_p,
                            jax_compat.conv_general_dilated_p})
 
+# Primitives whose transpose sums the cotangent (over broadcast dims, into
+# gathered rows): given a value cast down from float32, they run on the
+# float32 value and cast their result, so their gradients sum in float32.
+_SUMMING_TRANSPOSE = frozenset({jax_compat.broadcast_in_dim_p,
+                                jax_compat.gather_p})
+
 
 # --- Recording (read by `explain`) -------------------------------------------
 
@@ -368,17 +374,19 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
             for a in args]
     outs, _ = _bind_natural(env, eqn, args)
     rule, why = "full", f"full: {config.rules.reason_of(prim.name)}"
-  elif (prim is jax_compat.broadcast_in_dim_p and rule != "as written"
+  elif (prim in _SUMMING_TRANSPOSE and rule != "as written"
         and op_class is None
         and env.wider_source(args[0]) is not args[0]):
-    # A broadcast of a value cast down from float32 (a bias, typically):
-    # broadcast the float32 value, then cast. The values are the same, and
-    # under grad the transpose (a sum over the broadcast dims) accumulates
-    # in float32 instead of in half.
+    # A broadcast or gather of a value cast down from float32 (a bias, an
+    # embedding table): run it on the float32 value, then cast. The values
+    # are the same, and under grad the transpose (a sum over the broadcast
+    # dims, a scatter-add into the table) accumulates in float32 instead of
+    # in half. On GPUs a half scatter-add into a small table is also slow:
+    # its atomics contend.
     wide = env.wider_source(args[0])
     outs = [env.cast(o, _dtype(args[0]))
             for o in _bind(eqn, [wide, *args[1:]])]
-    why = ("broadcast of a down-cast value: broadcast in its wider dtype, "
+    why = (f"{prim.name} of a down-cast value: runs in its wider dtype, "
            "then cast (its gradient sums in float32)")
   else:
     if op_class == op_rules_lib.PROMOTE:

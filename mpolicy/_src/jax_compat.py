@@ -116,6 +116,7 @@ def _optional(module, name):
 
 
 broadcast_in_dim_p = jax.lax.broadcast_in_dim_p
+gather_p = jax.lax.gather_p
 dot_general_p = jax.lax.dot_general_p
 conv_general_dilated_p = jax.lax.conv_general_dilated_p
 convert_element_type_p = jax.lax.convert_element_type_p
@@ -298,6 +299,7 @@ __all__ = [
     "DropVar",
     "eqn_context_under",
     "eqn_scope_names",
+    "gather_p",
     "Jaxpr",
     "JaxprEqn",
     "jaxprs_in_params",
