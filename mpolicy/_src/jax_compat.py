@@ -208,6 +208,90 @@ def wrap_thunk(fn, like):
   return _lu.wrap_init(fn, debug_info=like.debug_info)
 
 
+# --- Reading higher-order params ------------------------------------------
+#
+# The params of a higher-order primitive are JAX's private bookkeeping, and
+# they change shape between releases. The readers below accept every shape
+# mpolicy supports, so the rules in `higher_order` never read a raw key.
+
+
+def _leaf_count(group, where: str) -> int:
+  try:
+    return len(group)
+  except TypeError as e:
+    raise TypeError(f"mpolicy: cannot count the operands in {where}: got "
+                    f"{type(group).__name__}, expected a sized group") from e
+
+
+def _unpacked(tree, arity: int, where: str) -> tuple:
+  unpack = getattr(tree, "unpack", None)
+  groups = unpack() if callable(unpack) else tree
+  if not isinstance(groups, (tuple, list)) or len(groups) != arity:
+    raise TypeError(f"mpolicy: expected {where} to split into {arity} groups, "
+                    f"got {groups!r}")
+  return tuple(groups)
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """``(n_consts, n_carry)`` of a `scan` equation's params.
+
+  A scan's operands are its consts, then its carry, then its scanned inputs.
+  JAX 0.10 records the counts as ``num_consts`` and ``num_carry``; from 0.11
+  they are flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry,
+  ys), whose groups have a length.
+
+  Args:
+    params: the params of a `scan` equation (a mapping).
+
+  Returns:
+    The number of leading const operands and of carry operands.
+
+  >>> scan_counts({"num_consts": 1, "num_carry": 2})
+  (1, 2)
+
+  See also: `while_counts`.
+  """
+  if "num_consts" in params and "num_carry" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  if "ft_in" in params:
+    consts, carry, _ = _unpacked(params["ft_in"], 3, "scan's ft_in")
+    return (_leaf_count(consts, "scan's consts"),
+            _leaf_count(carry, "scan's carry"))
+  raise KeyError(
+      "mpolicy: a scan equation has neither num_consts/num_carry nor ft_in "
+      f"in its params ({sorted(params)}); this JAX version is not supported")
+
+
+def while_counts(params) -> tuple[int, int]:
+  """``(cond_nconsts, body_nconsts)`` of a `while` equation's params.
+
+  The operands are the cond's consts, the body's consts, then the carry.
+  (Unchanged from JAX 0.10 to 0.12; read here so a change lands in one place.)
+
+  >>> while_counts({"cond_nconsts": 0, "body_nconsts": 3})
+  (0, 3)
+
+  See also: `scan_counts`.
+  """
+  try:
+    return int(params["cond_nconsts"]), int(params["body_nconsts"])
+  except KeyError as e:
+    raise KeyError(
+        "mpolicy: a while equation lacks cond_nconsts/body_nconsts in its "
+        f"params ({sorted(params)}); this JAX version is not supported") from e
+
+
+def custom_jvp_num_consts(params) -> int:
+  """The number of leading const operands of a `custom_jvp_call` equation.
+
+  >>> custom_jvp_num_consts({"num_consts": 2})
+  2
+
+  See also: `scan_counts`.
+  """
+  return int(params.get("num_consts", 0))
+
+
 # --- Defining a primitive ---------------------------------------------------
 
 def new_primitive(name: str) -> Primitive:
@@ -289,6 +373,7 @@ __all__ = [
     "current_name_stack",
     "current_scope_names",
     "custom_jvp_call_p",
+    "custom_jvp_num_consts",
     "custom_vjp_call_p",
     "define_batching",
     "define_bilinear",
@@ -309,12 +394,14 @@ __all__ = [
     "Primitive",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
+    "scan_counts",
     "scan_p",
     "scope_names",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
     "Var",
+    "while_counts",
     "while_p",
     "with_dtype",
     "wrap_thunk",
