@@ -1,9 +1,11 @@
 """The one place where mpolicy touches JAX internals.
 
 JAX's private modules (`jax._src`) and its semi-public `jax.extend` change
-every few releases: `jax.core` moved to `jax.extend.core`, `pjit` became
-`jit`, and `Primitive.get_bind_params` changed its return type in 0.9.2.
-Every import of them lives here, so a JAX upgrade means reading one file.
+every few releases: in 0.11 a scan's ``num_consts``/``num_carry`` params
+became the flat trees ``ft_in``/``ft_out``, and `ClosedJaxpr` became another
+name for `Jaxpr`. Every import of them lives here, and the rules read
+higher-order params only through the readers below, so a JAX upgrade means
+reading one file. Supported: JAX 0.10 to 0.12.
 
 Nothing in this module knows about policies: it only offers small,
 version-independent helpers over name stacks, jaxprs and primitives.
@@ -123,7 +125,7 @@ bitcast_convert_type_p = jax.lax.bitcast_convert_type_p
 scan_p = jax.lax.scan_p
 while_p = jax.lax.while_p
 cond_p = jax.lax.cond_p
-jit_p = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p")
+jit_p = _pjit.jit_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
@@ -157,26 +159,13 @@ def jaxprs_in_params(params) -> list:
 
 
 def bind(primitive, args, params):
-  """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns).
-
-  Before JAX 0.9.2 `Primitive.get_bind_params` returned ``(subfuns,
-  params)`` and the subfuns were bound as leading arguments; since then it
-  returns one dict with them under ``'subfuns'``, which `bind` accepts.
-  """
-  result = primitive.get_bind_params(params)
-  if isinstance(result, tuple):
-    subfuns, bind_params = result
-    return primitive.bind(*subfuns, *args, **bind_params)
-  return primitive.bind(*args, **result)
+  """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns)."""
+  return primitive.bind(*args, **primitive.get_bind_params(params))
 
 
 def aval_of(x):
-  """The abstract value of an array, tracer or scalar.
-
-  `jax.typeof` since JAX 0.4.36; `core.get_aval` (removed later) before.
-  """
-  typeof = getattr(jax, "typeof", None)
-  return typeof(x) if typeof is not None else _core.get_aval(x)
+  """The abstract value of an array, tracer or scalar."""
+  return jax.typeof(x)
 
 
 def trace_to_closed_jaxpr(fn, in_avals, like=None) -> ClosedJaxpr:
