@@ -223,3 +223,30 @@ def test_hk_layer_stack_under_transform_amp_and_grad():
         lambda x: jnp.tanh(hk.Linear(4, name="block")(x)))(x)
 
   _check_haiku(forward, "scan")
+
+
+def test_scans_made_by_autodiff_inside_amp():
+  # JAX's own AD writes scans with nested operand groups (primal and tangent
+  # pairs, transposed carries); amp entered after AD must read those too.
+  def fn(x, w):
+    def body(c, xi):
+      c = jnp.tanh(c @ w + xi)
+      return c, c.sum()
+    c, ys = jax.lax.scan(body, x, XS)
+    return c.sum() + ys.sum()
+
+  inner = {
+      "grad": jax.grad(fn, argnums=(0, 1)),
+      "jvp": lambda x, w: jax.jvp(fn, (x, w), (x, w)),
+      "grad_of_jvp": jax.grad(
+          lambda x, w: jax.jvp(fn, (x, w), (x, w))[1], argnums=1),
+  }
+  for name, g in inner.items():
+    f = mpolicy.amp(g, HALF)
+    dots = _dots_inside(jax.make_jaxpr(f)(X, W), "scan")
+    assert dots and all(d == (BF16, BF16) for d in dots), (name, dots)
+    for a, b in zip(jax.tree_util.tree_leaves(f(X, W)),
+                    jax.tree_util.tree_leaves(g(X, W))):
+      assert a.dtype == F32, name
+      np.testing.assert_allclose(a, b, rtol=5e-2,
+                                 atol=5e-2 * float(jnp.abs(b).max()) + 1e-3)
