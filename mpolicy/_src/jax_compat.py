@@ -257,6 +257,12 @@ def while_counts(params) -> tuple[int, int]:
   The operands are the cond's consts, the body's consts, then the carry.
   (Unchanged from JAX 0.10 to 0.12; read here so a change lands in one place.)
 
+  Args:
+    params: the params of a `while` equation (a mapping).
+
+  Returns:
+    The number of leading const operands of the cond and of the body.
+
   >>> while_counts({"cond_nconsts": 0, "body_nconsts": 3})
   (0, 3)
 
@@ -272,6 +278,12 @@ def while_counts(params) -> tuple[int, int]:
 
 def custom_jvp_num_consts(params) -> int:
   """The number of leading const operands of a `custom_jvp_call` equation.
+
+  Args:
+    params: the params of a `custom_jvp_call` equation (a mapping).
+
+  Returns:
+    How many of its operands are consts (0 when the param is absent).
 
   >>> custom_jvp_num_consts({"num_consts": 2})
   2
