@@ -54,15 +54,29 @@ def test_backward_matmuls_are_half_by_half():
     assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
-def test_backward_matmuls_accumulate_in_f32_in_hlo():
-  grad = jax.jit(jax.grad(amp(mlp, HALF), argnums=(0, 1, 2)))
-  hlo = grad.lower(X, W, V).as_text()
+def lowered_text(fn, *args, platform):
+  """StableHLO of ``jit(fn)(*args)`` as lowered for ``platform``."""
+  traced = jax.jit(fn).trace(*args)
+  return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+# StableHLO assertions name the lowering they check, so they hold on any
+# machine: every lowering multiplies half by half; the CPU one asks for a
+# float32 result (on GPUs the half matrix units accumulate in float32).
+LOWERINGS = pytest.mark.parametrize("platform", ["cpu", "cuda"])
+
+
+@LOWERINGS
+def test_backward_matmuls_accumulate_in_f32_in_hlo(platform):
+  hlo = lowered_text(jax.grad(amp(mlp, HALF), argnums=(0, 1, 2)), X, W, V,
+                     platform=platform)
   dots = [line for line in hlo.splitlines() if "dot_general" in line]
   assert len(dots) == 6
   for line in dots:
     operands = re.findall(r"tensor<[^>]*>", line.split("->")[0].split(":")[-1])
     assert operands and all("bf16" in t for t in operands), line
-    assert "f32" in line.split("->")[-1], line
+    if platform == "cpu":
+      assert "f32" in line.split("->")[-1], line
 
 
 def test_gradient_values_and_dtypes():
@@ -127,7 +141,9 @@ def test_amp_dot_general_matches_dot_general_and_its_gradients(
   rhs = jnp.asarray(rng.normal(size=rhs_shape), jnp.bfloat16)
   amp_dot = lambda a, b: lowp.amp_dot_general(
       a, b, dimension_numbers=dims, out_dtype=F32)
-  ref_dot = lambda a, b: jax.lax.dot_general(a.astype(F32), b.astype(F32), dims)
+  # The reference at full float32 precision: GPUs' default f32 matmul is TF32.
+  ref_dot = lambda a, b: jax.lax.dot_general(
+      a.astype(F32), b.astype(F32), dims, precision=jax.lax.Precision.HIGHEST)
   out, amp_vjp = jax.vjp(jax.jit(amp_dot), lhs, rhs)
   ref, ref_vjp = jax.vjp(ref_dot, lhs, rhs)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -202,10 +218,12 @@ def test_backward_convs_are_half_by_half_in_jaxpr(groups):
 
 
 @GROUPS
-def test_backward_convs_accumulate_in_f32_in_hlo(groups):
+@LOWERINGS
+def test_backward_convs_accumulate_in_f32_in_hlo(groups, platform):
   k2 = conv_kernel2(groups)
-  lowered = jax.jit(conv_grad(amp(convnet, HALF))).lower(IMG, K1, k2)
-  convs = [line for line in lowered.as_text().splitlines()
+  fn = conv_grad(amp(convnet, HALF))
+  text = lowered_text(fn, IMG, K1, k2, platform=platform)
+  convs = [line for line in text.splitlines()
            if "stablehlo.convolution" in line]
   assert len(convs) == 6
   for line in convs:  # "... : (tensor<..>, tensor<..>) -> tensor<..>"
@@ -213,7 +231,11 @@ def test_backward_convs_accumulate_in_f32_in_hlo(groups):
                     line)
     assert sig, line
     assert "bf16" in sig.group(1) and "bf16" in sig.group(2), line
-    assert "f32" in sig.group(3), line
+    if platform == "cpu":
+      assert "f32" in sig.group(3), line
+  if platform != jax.default_backend().replace("gpu", "cuda"):
+    return  # Compiling needs the lowering for this machine's backend.
+  lowered = jax.jit(fn).lower(IMG, K1, k2)
   # After XLA's passes no convolution multiplies operands of two dtypes.
   # XLA:CPU runs bf16 convolutions in f32 (it converts both operands, as it
   # would for the old f32 x bf16 ones); GPUs keep them bf16.

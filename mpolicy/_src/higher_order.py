@@ -95,9 +95,8 @@ def _open_call_rule(param: str) -> Callable[..., list]:
 
 
 def _scan(scope, eqn, invals):
-  p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
-  body = p["jaxpr"]
+  n_consts, n_carry = jax_compat.scan_counts(eqn.params)
+  body = eqn.params["jaxpr"]
   carry = invals[n_consts:n_consts + n_carry]
   n_ys = len(body.jaxpr.outvars) - n_carry
   new = scope.trace(body, _avals_like(body.jaxpr.invars, invals),
@@ -107,7 +106,7 @@ def _scan(scope, eqn, invals):
 
 def _while(scope, eqn, invals):
   p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  n_cond, n_body = jax_compat.while_counts(p)
   cond_consts = invals[:n_cond]
   body_consts = invals[n_cond:n_cond + n_body]
   carry = invals[n_cond + n_body:]
@@ -140,7 +139,7 @@ def _custom_jvp(scope, eqn, invals):
   operands' dtypes; the rule's outputs follow the primal's output dtypes."""
   p = eqn.params
   call = p["call_jaxpr"]
-  n_consts = p["num_consts"]
+  n_consts = jax_compat.custom_jvp_num_consts(p)
   new_call = scope.trace(call, _avals_like(call.jaxpr.invars, invals))
   old_jvp = p["jvp_jaxpr_fun"]
   primal_avals = _avals_like(call.jaxpr.invars[n_consts:], invals[n_consts:])

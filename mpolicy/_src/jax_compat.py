@@ -1,9 +1,11 @@
 """The one place where mpolicy touches JAX internals.
 
 JAX's private modules (`jax._src`) and its semi-public `jax.extend` change
-every few releases: `jax.core` moved to `jax.extend.core`, `pjit` became
-`jit`, and `Primitive.get_bind_params` changed its return type in 0.9.2.
-Every import of them lives here, so a JAX upgrade means reading one file.
+every few releases: in 0.11 a scan's ``num_consts``/``num_carry`` params
+became the flat trees ``ft_in``/``ft_out``, and `ClosedJaxpr` became another
+name for `Jaxpr`. Every import of them lives here, and the rules read
+higher-order params only through the readers below, so a JAX upgrade means
+reading one file. Supported: JAX 0.10 to 0.12.
 
 Nothing in this module knows about policies: it only offers small,
 version-independent helpers over name stacks, jaxprs and primitives.
@@ -124,7 +126,7 @@ bitcast_convert_type_p = jax.lax.bitcast_convert_type_p
 scan_p = jax.lax.scan_p
 while_p = jax.lax.while_p
 cond_p = jax.lax.cond_p
-jit_p = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p")
+jit_p = _pjit.jit_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
@@ -158,26 +160,13 @@ def jaxprs_in_params(params) -> list:
 
 
 def bind(primitive, args, params):
-  """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns).
-
-  Before JAX 0.9.2 `Primitive.get_bind_params` returned ``(subfuns,
-  params)`` and the subfuns were bound as leading arguments; since then it
-  returns one dict with them under ``'subfuns'``, which `bind` accepts.
-  """
-  result = primitive.get_bind_params(params)
-  if isinstance(result, tuple):
-    subfuns, bind_params = result
-    return primitive.bind(*subfuns, *args, **bind_params)
-  return primitive.bind(*args, **result)
+  """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns)."""
+  return primitive.bind(*args, **primitive.get_bind_params(params))
 
 
 def aval_of(x):
-  """The abstract value of an array, tracer or scalar.
-
-  `jax.typeof` since JAX 0.4.36; `core.get_aval` (removed later) before.
-  """
-  typeof = getattr(jax, "typeof", None)
-  return typeof(x) if typeof is not None else _core.get_aval(x)
+  """The abstract value of an array, tracer or scalar."""
+  return jax.typeof(x)
 
 
 def trace_to_closed_jaxpr(fn, in_avals, like=None) -> ClosedJaxpr:
@@ -207,6 +196,102 @@ def open_jaxpr_with_consts_first(closed: ClosedJaxpr):
 def wrap_thunk(fn, like):
   """A `lu.WrappedFun` calling ``fn``, with the debug info of ``like``."""
   return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+# --- Reading higher-order params ------------------------------------------
+#
+# The params of a higher-order primitive are JAX's private bookkeeping, and
+# they change shape between releases. The readers below accept every shape
+# mpolicy supports, so the rules in `higher_order` never read a raw key.
+
+
+def _leaf_count(group, where: str) -> int:
+  try:
+    return len(group)
+  except TypeError as e:
+    raise TypeError(f"mpolicy: cannot count the operands in {where}: got "
+                    f"{type(group).__name__}, expected a sized group") from e
+
+
+def _unpacked(tree, arity: int, where: str) -> tuple:
+  unpack = getattr(tree, "unpack", None)
+  groups = unpack() if callable(unpack) else tree
+  if not isinstance(groups, (tuple, list)) or len(groups) != arity:
+    raise TypeError(f"mpolicy: expected {where} to split into {arity} groups, "
+                    f"got {groups!r}")
+  return tuple(groups)
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """``(n_consts, n_carry)`` of a `scan` equation's params.
+
+  A scan's operands are its consts, then its carry, then its scanned inputs.
+  JAX 0.10 records the counts as ``num_consts`` and ``num_carry``; from 0.11
+  they are flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry,
+  ys), whose groups have a length.
+
+  Args:
+    params: the params of a `scan` equation (a mapping).
+
+  Returns:
+    The number of leading const operands and of carry operands.
+
+  >>> scan_counts({"num_consts": 1, "num_carry": 2})
+  (1, 2)
+
+  See also: `while_counts`.
+  """
+  if "num_consts" in params and "num_carry" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  if "ft_in" in params:
+    consts, carry, _ = _unpacked(params["ft_in"], 3, "scan's ft_in")
+    return (_leaf_count(consts, "scan's consts"),
+            _leaf_count(carry, "scan's carry"))
+  raise KeyError(
+      "mpolicy: a scan equation has neither num_consts/num_carry nor ft_in "
+      f"in its params ({sorted(params)}); this JAX version is not supported")
+
+
+def while_counts(params) -> tuple[int, int]:
+  """``(cond_nconsts, body_nconsts)`` of a `while` equation's params.
+
+  The operands are the cond's consts, the body's consts, then the carry.
+  (Unchanged from JAX 0.10 to 0.12; read here so a change lands in one place.)
+
+  Args:
+    params: the params of a `while` equation (a mapping).
+
+  Returns:
+    The number of leading const operands of the cond and of the body.
+
+  >>> while_counts({"cond_nconsts": 0, "body_nconsts": 3})
+  (0, 3)
+
+  See also: `scan_counts`.
+  """
+  try:
+    return int(params["cond_nconsts"]), int(params["body_nconsts"])
+  except KeyError as e:
+    raise KeyError(
+        "mpolicy: a while equation lacks cond_nconsts/body_nconsts in its "
+        f"params ({sorted(params)}); this JAX version is not supported") from e
+
+
+def custom_jvp_num_consts(params) -> int:
+  """The number of leading const operands of a `custom_jvp_call` equation.
+
+  Args:
+    params: the params of a `custom_jvp_call` equation (a mapping).
+
+  Returns:
+    How many of its operands are consts (0 when the param is absent).
+
+  >>> custom_jvp_num_consts({"num_consts": 2})
+  2
+
+  See also: `scan_counts`.
+  """
+  return int(params.get("num_consts", 0))
 
 
 # --- Defining a primitive ---------------------------------------------------
@@ -290,6 +375,7 @@ __all__ = [
     "current_name_stack",
     "current_scope_names",
     "custom_jvp_call_p",
+    "custom_jvp_num_consts",
     "custom_vjp_call_p",
     "define_batching",
     "define_bilinear",
@@ -311,12 +397,14 @@ __all__ = [
     "Primitive",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
+    "scan_counts",
     "scan_p",
     "scope_names",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
     "Var",
+    "while_counts",
     "while_p",
     "with_dtype",
     "wrap_thunk",
