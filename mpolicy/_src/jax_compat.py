@@ -20,6 +20,7 @@ from jax.extend import source_info_util as _siu
 
 # The rest is private JAX. Each import is used by the helpers below.
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import linear_util as _lu
@@ -109,6 +110,30 @@ except (ImportError, AttributeError):  # Older JAX: jax.experimental.
     shard_map_p = _shard_map.shard_map_p
   except (ImportError, AttributeError):
     shard_map_p = None
+
+
+@contextlib.contextmanager
+def shard_map_body_context(params) -> Iterator[None]:
+  """Where a `shard_map` body (eqn ``params``) may be traced again.
+
+  Inside, the mesh axes the body is manual over are bound (so `pvary` and
+  collectives such as `psum` find them), the abstract mesh marks them
+  manual, and varying-axes checking is as the equation asked: what JAX
+  itself sets up when it traces a `shard_map` body.
+  """
+  mesh = params["mesh"]
+  manual = frozenset(params.get("newly_manual_axes",
+                                params.get("manual_axes", ())))
+  manual_all = manual | frozenset(getattr(mesh, "manual_axes", ()))
+  abstract = mesh.abstract_mesh.update_axis_types(
+      {n: jax.sharding.AxisType.Manual for n in manual})
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_core.extend_axis_env_nd(
+        [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
+    stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
+    if "check_vma" in params:
+      stack.enter_context(_config._check_vma(params["check_vma"]))  # pylint: disable=protected-access
+    yield
 
 
 def _optional(module, name):
@@ -311,6 +336,7 @@ __all__ = [
     "SCALAR_COMBINER_PRIMITIVES",
     "scan_p",
     "scope_names",
+    "shard_map_body_context",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
