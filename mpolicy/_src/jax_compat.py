@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import sys
 
 import jax
 from jax.extend import core as jex_core
@@ -169,6 +170,38 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
     ) if p is not None)
+
+
+_primitive_names_cache: dict = {}
+
+
+def primitive_names(packages=("jax",)) -> frozenset[str]:
+  """Names of the primitives defined in the loaded modules of ``packages``.
+
+  Every `Primitive` object found at the top level of a loaded module of
+  one of those packages (``jax`` covers `jax.lax`, its linear algebra,
+  collectives, control flow, random numbers, ...), plus every primitive
+  that has a lowering. Cached until more modules are loaded.
+  """
+  packages = tuple(packages)
+  key = (packages, len(sys.modules))
+  hit = _primitive_names_cache.get(key)
+  if hit is not None:
+    return hit
+  names = {p.name for p in _mlir._lowerings}  # pylint: disable=protected-access
+  for module_name, module in list(sys.modules.items()):
+    if module is None or not any(module_name == p or
+                                 module_name.startswith(p + ".")
+                                 for p in packages):
+      continue
+    try:
+      values = list(vars(module).values())
+    except TypeError:
+      continue
+    names.update(v.name for v in values if isinstance(v, Primitive))
+  _primitive_names_cache.clear()
+  _primitive_names_cache[key] = result = frozenset(names)
+  return result
 
 
 def jaxprs_in_params(params) -> list:
@@ -332,6 +365,7 @@ __all__ = [
     "new_primitive",
     "open_jaxpr_with_consts_first",
     "Primitive",
+    "primitive_names",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
     "scan_p",
