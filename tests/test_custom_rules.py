@@ -61,6 +61,22 @@ def test_rule_holds_under_jit_and_grad():
   assert exps and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in exps)
 
 
+def test_rule_holds_under_vmap_and_inside_scan():
+  rules = DEFAULT_RULES.with_rule("exp", exp_in_bf16)
+
+  def fn(x):
+    return jax.lax.scan(lambda c, _: (jnp.exp(c) * 0.1, None), x, None,
+                        length=2)[0]
+
+  f = mpolicy.amp(fn, "full", rules=rules)
+  xs = jnp.stack([X, -X])
+  got = jax.jit(jax.vmap(f))(xs)
+  want = jax.vmap(lambda x: fn(x.astype(jnp.bfloat16)))(xs).astype(jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  exps = [e for e in all_eqns(jax.vmap(f), xs) if e.primitive.name == "exp"]
+  assert exps and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in exps)
+
+
 # --- dot_general in float32 regardless of policy ------------------------------
 
 
