@@ -61,12 +61,12 @@ def test_rule_holds_under_jit_and_grad():
   assert exps and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in exps)
 
 
-def test_rule_holds_under_vmap_and_inside_scan():
+def test_rule_holds_under_vmap_and_inside_nested_jit_and_cond():
   rules = DEFAULT_RULES.with_rule("exp", exp_in_bf16)
 
   def fn(x):
-    return jax.lax.scan(lambda c, _: (jnp.exp(c) * 0.1, None), x, None,
-                        length=2)[0]
+    inner = jax.jit(lambda c: jnp.exp(c) * 0.1)
+    return jax.lax.cond(jnp.sum(x) > -100.0, inner, jnp.sin, x)
 
   f = mpolicy.amp(fn, "full", rules=rules)
   xs = jnp.stack([X, -X])
