@@ -416,6 +416,45 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
   return outs
 
 
+def _plain_convert(eqn) -> bool:
+  params = eqn.params
+  return (not params.get("weak_type", False)
+          and params.get("sharding", None) is None)
+
+
+def _lower(env: _Env, eqn, args, compute) -> list:
+  """Runs a ``lower`` primitive in the half ``compute`` dtype."""
+  prim = eqn.primitive
+  args = [env.cast(a, compute) if _is_float(_dtype(a)) else a for a in args]
+  if prim not in _ACCUMULATING or not all(_is_float(_dtype(a)) for a in args):
+    outs, _ = _bind_natural(env, eqn, args)
+    return outs
+  out_dtype = compute
+  pet = eqn.params.get("preferred_element_type")
+  traced_in = eqn.invars[0].aval.dtype
+  if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
+    out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
+  if prim is jax_compat.dot_general_p:
+    # Operands cast down from float32 (a parameter, typically) go in as
+    # float32: the primitive casts them itself, and their gradients then
+    # come from its float32 accumulator, not rounded to half and back.
+    lhs, rhs = (env.wider_source(a) for a in args)
+    return [lowp.amp_dot_general(
+        lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
+        precision=eqn.params.get("precision"), out_dtype=out_dtype,
+        compute_dtype=compute)]
+  if eqn.params.get("out_sharding") is None:
+    params = {k: v for k, v in eqn.params.items()
+              if k not in ("preferred_element_type", "out_sharding")}
+    return [lowp.amp_conv_general_dilated(args[0], args[1], **params,
+                                          out_dtype=out_dtype)]
+  # A convolution with an explicit output sharding (which the amp primitive
+  # does not carry): float32 accumulation, then cast. Under grad its
+  # backward convolutions see a float32 cotangent (see `lowp`).
+  out = _bind(eqn, args, dict(eqn.params, preferred_element_type=jnp.float32))
+  return [env.cast(o, out_dtype) for o in out]
+
+
 def _run_custom(config: _Config, eqn, invals, names,
                 region: Optional[regions.Region], fn) -> list:
   """Runs ``eqn`` as the custom rule ``fn`` says (see `OpRules.with_rule`)."""
@@ -474,45 +513,6 @@ def _check_custom_outputs(eqn, result, name: str) -> list:
           f"{tuple(shape)}, the primitive's has {tuple(aval.shape)}; a rule "
           f"may choose the dtype, not the shape")
   return outs
-
-
-def _plain_convert(eqn) -> bool:
-  params = eqn.params
-  return (not params.get("weak_type", False)
-          and params.get("sharding", None) is None)
-
-
-def _lower(env: _Env, eqn, args, compute) -> list:
-  """Runs a ``lower`` primitive in the half ``compute`` dtype."""
-  prim = eqn.primitive
-  args = [env.cast(a, compute) if _is_float(_dtype(a)) else a for a in args]
-  if prim not in _ACCUMULATING or not all(_is_float(_dtype(a)) for a in args):
-    outs, _ = _bind_natural(env, eqn, args)
-    return outs
-  out_dtype = compute
-  pet = eqn.params.get("preferred_element_type")
-  traced_in = eqn.invars[0].aval.dtype
-  if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
-    out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
-  if prim is jax_compat.dot_general_p:
-    # Operands cast down from float32 (a parameter, typically) go in as
-    # float32: the primitive casts them itself, and their gradients then
-    # come from its float32 accumulator, not rounded to half and back.
-    lhs, rhs = (env.wider_source(a) for a in args)
-    return [lowp.amp_dot_general(
-        lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
-        precision=eqn.params.get("precision"), out_dtype=out_dtype,
-        compute_dtype=compute)]
-  if eqn.params.get("out_sharding") is None:
-    params = {k: v for k, v in eqn.params.items()
-              if k not in ("preferred_element_type", "out_sharding")}
-    return [lowp.amp_conv_general_dilated(args[0], args[1], **params,
-                                          out_dtype=out_dtype)]
-  # A convolution with an explicit output sharding (which the amp primitive
-  # does not carry): float32 accumulation, then cast. Under grad its
-  # backward convolutions see a float32 cotangent (see `lowp`).
-  out = _bind(eqn, args, dict(eqn.params, preferred_element_type=jnp.float32))
-  return [env.cast(o, out_dtype) for o in out]
 
 
 # --- Entry points -------------------------------------------------------------
