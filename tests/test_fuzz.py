@@ -46,13 +46,15 @@ _FIRST_ORDER = {
     "add": 2, "sub": 2, "mul": 2, "div": 2, "max": 2, "dot": 2, "dot_t": 2,
     "rowdot": 2, "concat": 2, "select": 2,
     "exp": 1, "logabs1": 1, "tanh": 1, "logistic": 1, "sum": 1, "rmax": 1,
-    "reshape": 1, "transpose": 1, "ipow": 1, "scalar": 1,
+    "reshape": 1, "transpose": 1, "ipow": 1, "scalar": 1, "const": 1,
 }
 # Matmuls are what half policies change most: drawn three times as often.
 _OPS = sorted(_FIRST_ORDER)
 _WEIGHTS = [3.0 if op in ("dot", "dot_t", "rowdot") else 1.0 for op in _OPS]
+# "full_precision" is no primitive: a block of the sub-program under
+# `mpolicy.full_precision()` (a no-op in the plain program).
 _HIGHER_ORDER = ("jit", "scan", "fori", "while", "cond", "checkpoint",
-                 "custom_jvp", "custom_vjp")
+                 "custom_jvp", "custom_vjp", "full_precision")
 
 
 # --- Programs -----------------------------------------------------------------
@@ -135,6 +137,8 @@ class _Gen:
         extra = rng.choice((2, 3))
       elif op == "scalar":
         extra = rng.choice((0.5, 2.0, -1.5, 3))
+      elif op == "const":
+        extra = rng.randrange(1000)
       elif op == "select":
         extra = (rng.randrange(2), rng.choice((0.0, 0.5, -0.3)))
       bound = _bound(op, [bounds[i] for i in args], extra)
@@ -182,6 +186,8 @@ def _bound(op: str, b: list[float], extra) -> float:
     return float(np.log1p(b[0]))
   if op in ("tanh", "logistic"):
     return 1.0
+  if op == "const":
+    return b[0] + 1.0
   if op == "ipow":
     return b[0] ** extra
   if op == "scalar":
@@ -246,6 +252,9 @@ def _first_order(op: str, a, b, extra, raw):
     return lax.integer_pow(a, extra)
   if op == "scalar":
     return a * extra if extra != 3 else a + extra - 3
+  if op == "const":  # A closed-over float32 numpy constant.
+    return a + np.random.default_rng(extra).uniform(-1, 1, _SHAPE).astype(
+        np.float32)
   raise ValueError(op)
 
 
@@ -273,6 +282,9 @@ def _higher_order(step: Step, args: list, raw):
     return jax.jit(sub)(*args)
   if op == "checkpoint":
     return jax.checkpoint(sub)(*args)
+  if op == "full_precision":
+    with mpolicy.full_precision():
+      return sub(*args)
   if op == "custom_jvp":
     fn = jax.custom_jvp(sub)
     fn.defjvp(lambda primals, tangents: jax.jvp(sub, primals, tangents))
