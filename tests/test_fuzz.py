@@ -438,8 +438,46 @@ def check_half_is_close(seed: int, policy: str) -> None:
 
 # --- Tests ----------------------------------------------------------------------
 
+
+def _scan_is_entered() -> bool:
+  """Whether `amp` can enter a `scan` on this JAX (its params changed in
+  JAX 0.11: ``num_consts``/``num_carry`` became flat-tree params)."""
+  fn = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=2)[0]
+  try:
+    jax.make_jaxpr(mpolicy.amp(fn, "full"))(jnp.ones(2))
+  except KeyError:
+    return False
+  return True
+
+
 _SHORT = range(2)
 _LONG = range(2, 150)
+
+
+def _uses_scan(seed: int) -> bool:
+  """Whether one of the seed's programs has a scan or a static fori_loop."""
+  def walk(program):
+    return any(step.op in ("scan", "fori") or any(walk(p) for p in step.subs)
+               for step in program.steps)
+  return any(walk(p) for p in _programs(seed).values())
+
+
+# Programs with scan or fori_loop hit a known interpreter bug on JAX 0.11
+# (the scan rule reads params that 0.11 no longer has). Where the bug is
+# present, exactly those cases are expected to fail with it; elsewhere, and
+# once it is fixed, they run as every other case.
+_SCAN_BUG = pytest.mark.xfail(
+    raises=KeyError, strict=True,
+    reason="amp cannot enter lax.scan on this JAX: KeyError 'num_consts' in "
+    "higher_order._scan (scan params changed in JAX 0.11)")
+
+
+def _seeds(seeds, *, slow: bool = False) -> list:
+  marks = [pytest.mark.slow] if slow else []
+  scan_ok = _scan_is_entered()
+  return [pytest.param(seed, marks=marks + (
+      [] if scan_ok or not _uses_scan(seed) else [_SCAN_BUG]))
+          for seed in seeds]
 
 
 def test_programs_are_reproducible_and_varied():
@@ -448,25 +486,23 @@ def test_programs_are_reproducible_and_varied():
   assert set(_HIGHER_ORDER) <= ops and {"dot", "exp", "select"} <= ops
 
 
-@pytest.mark.parametrize("seed", _SHORT)
+@pytest.mark.parametrize("seed", _seeds(_SHORT))
 def test_full_policy_is_bitwise_plain(seed):
   check_full_is_bitwise(seed)
 
 
 @pytest.mark.parametrize("policy", sorted(_POLICIES))
-@pytest.mark.parametrize("seed", _SHORT)
+@pytest.mark.parametrize("seed", _seeds(_SHORT))
 def test_half_policies_are_close_and_finite(seed, policy):
   check_half_is_close(seed, policy)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", _LONG)
+@pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
 def test_full_policy_is_bitwise_plain_long(seed):
   check_full_is_bitwise(seed)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(_POLICIES))
-@pytest.mark.parametrize("seed", _LONG)
+@pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
 def test_half_policies_are_close_and_finite_long(seed, policy):
   check_half_is_close(seed, policy)
