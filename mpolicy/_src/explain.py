@@ -3,6 +3,10 @@
 `explain` traces a function once with the interpreter's recording on and
 turns what the interpreter decided into a `Report`: one row per primitive,
 plus totals. It only reads decisions; it never changes them.
+
+A primitive run by a custom rule function (`OpRules.with_rule`) has the rule
+``"custom"``, and its ``decided_by`` names the function by its qualified
+name (``module.function``), so a report says whose code decided.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ class Report:
   def casts_inserted(self) -> int:
     """Casts the interpreter added (not those written in the code)."""
     return sum(r.casts for r in self.rows)
+
+  @property
+  def custom_rules(self) -> dict[str, str]:
+    """Primitive name -> the custom rule function that ran it (its name)."""
+    return {r.primitive: r.decided_by.split(";")[0][len("custom rule "):]
+            for r in self.rows if r.rule == "custom"}
 
   @property
   def ops_per_dtype(self) -> dict[str, int]:

@@ -190,8 +190,11 @@ def _custom_vjp(scope, eqn, invals):
 
 
 def _shard_map(scope, eqn, invals):
+  """The body is traced again inside its mesh axes (for `pvary` and
+  collectives), at the dtypes its operands now have."""
   jaxpr = eqn.params["jaxpr"]
-  new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
+  with jax_compat.shard_map_body_context(eqn.params):
+    new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
   new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
   if consts:
     raise UnsupportedPrimitiveError(

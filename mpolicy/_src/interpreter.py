@@ -78,7 +78,8 @@ class Decision:
     ran_in: the floating dtype(s) it ran in (a cast: its result dtype; no
       floating input: its output dtype).
     rule: ``"lower"``, ``"full"``, ``"promote"``, ``"inputs"``,
-      ``"explicit cast"`` or ``"as written"``.
+      ``"explicit cast"``, ``"as written"`` or ``"custom"`` (a function
+      given by `OpRules.with_rule`, named in ``decided_by``).
     decided_by: the rule's reason and the registry entry or policy in force.
     casts: casts the interpreter inserted for it.
   """
@@ -343,6 +344,9 @@ def _array_target(eqn, args) -> Optional[np.dtype]:
 def _first_order(config: _Config, env: _Env, eqn, invals, names,
                  region: Optional[regions.Region]) -> list:
   prim = eqn.primitive
+  custom = config.rules.rule_of(prim.name)
+  if custom is not None and (region is None or not region.full_precision):
+    return _run_custom(config, eqn, invals, names, region, custom)
   casts_before = env.inserted
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
@@ -457,6 +461,66 @@ def _lower(env: _Env, eqn, args, compute) -> list:
   # backward convolutions see a float32 cotangent (see `lowp`).
   out = _bind(eqn, args, dict(eqn.params, preferred_element_type=jnp.float32))
   return [env.cast(o, out_dtype) for o in out]
+
+
+def _run_custom(config: _Config, eqn, invals, names,
+                region: Optional[regions.Region], fn) -> list:
+  """Runs ``eqn`` as the custom rule ``fn`` says (see `OpRules.with_rule`)."""
+  prim = eqn.primitive
+  policy = region.policy if region is not None else None
+  name = op_rules_lib.rule_name(fn)
+  result = fn(policy, *invals, **eqn.params)
+  outs = _check_custom_outputs(eqn, result, name)
+  if _recording.rows is not None and not config.quiet:
+    ran = sorted({_dtype(o).name for o in outs if _is_float(_dtype(o))})
+    why = f"custom rule {name}"
+    if region is not None:
+      why += f"; policy from {region.decided_by}"
+    _recording.rows.append(Decision(
+        scope="/".join(regions.plain_scope_names(names)),
+        module_class=region.module_class if region is not None else None,
+        primitive=prim.name,
+        in_dtypes=tuple(_dtype(a).name for a in invals),
+        ran_in=",".join(ran) if ran else "-", rule="custom", decided_by=why,
+        casts=0))
+  return outs
+
+
+def _check_custom_outputs(eqn, result, name: str) -> list:
+  """A custom rule's ``result`` as a list, checked against ``eqn``'s outputs."""
+  prim = eqn.primitive.name
+  want = [v.aval for v in eqn.outvars]
+  if eqn.primitive.multiple_results:
+    if not isinstance(result, (tuple, list)):
+      raise TypeError(
+          f"custom rule {name} for {prim!r} returned {type(result).__name__}; "
+          f"{prim!r} has {len(want)} results, so the rule must return a tuple "
+          f"or list of {len(want)} arrays")
+    outs = list(result)
+  else:
+    if isinstance(result, (tuple, list)):
+      raise TypeError(
+          f"custom rule {name} for {prim!r} returned a {type(result).__name__} "
+          f"of {len(result)}; {prim!r} has one result, so the rule must "
+          f"return one array")
+    outs = [result]
+  if len(outs) != len(want):
+    raise ValueError(
+        f"custom rule {name} for {prim!r} returned {len(outs)} outputs; the "
+        f"primitive has {len(want)}")
+  for i, (out, aval) in enumerate(zip(outs, want)):
+    shape = getattr(out, "shape", None)
+    if shape is None or not hasattr(out, "dtype"):
+      raise TypeError(
+          f"custom rule {name} for {prim!r}: output {i} is "
+          f"{type(out).__name__}, not an array (return jax arrays, e.g. "
+          f"from jax.lax or jax.numpy)")
+    if tuple(shape) != tuple(aval.shape):
+      raise ValueError(
+          f"custom rule {name} for {prim!r}: output {i} has shape "
+          f"{tuple(shape)}, the primitive's has {tuple(aval.shape)}; a rule "
+          f"may choose the dtype, not the shape")
+  return outs
 
 
 # --- Entry points -------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import sys
 
 import jax
 from jax.extend import core as jex_core
@@ -22,6 +23,7 @@ from jax.extend import source_info_util as _siu
 
 # The rest is private JAX. Each import is used by the helpers below.
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import linear_util as _lu
@@ -113,6 +115,30 @@ except (ImportError, AttributeError):  # Older JAX: jax.experimental.
     shard_map_p = None
 
 
+@contextlib.contextmanager
+def shard_map_body_context(params) -> Iterator[None]:
+  """Where a `shard_map` body (eqn ``params``) may be traced again.
+
+  Inside, the mesh axes the body is manual over are bound (so `pvary` and
+  collectives such as `psum` find them), the abstract mesh marks them
+  manual, and varying-axes checking is as the equation asked: what JAX
+  itself sets up when it traces a `shard_map` body.
+  """
+  mesh = params["mesh"]
+  manual = frozenset(params.get("newly_manual_axes",
+                                params.get("manual_axes", ())))
+  manual_all = manual | frozenset(getattr(mesh, "manual_axes", ()))
+  abstract = mesh.abstract_mesh.update_axis_types(
+      {n: jax.sharding.AxisType.Manual for n in manual})
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_core.extend_axis_env_nd(
+        [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
+    stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
+    if "check_vma" in params:
+      stack.enter_context(_config._check_vma(params["check_vma"]))  # pylint: disable=protected-access
+    yield
+
+
 def _optional(module, name):
   return getattr(module, name, None)
 
@@ -147,6 +173,38 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
     ) if p is not None)
+
+
+_primitive_names_cache: dict = {}
+
+
+def primitive_names(packages=("jax",)) -> frozenset[str]:
+  """Names of the primitives defined in the loaded modules of ``packages``.
+
+  Every `Primitive` object found at the top level of a loaded module of
+  one of those packages (``jax`` covers `jax.lax`, its linear algebra,
+  collectives, control flow, random numbers, ...), plus every primitive
+  that has a lowering. Cached until more modules are loaded.
+  """
+  packages = tuple(packages)
+  key = (packages, len(sys.modules))
+  hit = _primitive_names_cache.get(key)
+  if hit is not None:
+    return hit
+  names = {p.name for p in _mlir._lowerings}  # pylint: disable=protected-access
+  for module_name, module in list(sys.modules.items()):
+    if module is None or not any(module_name == p or
+                                 module_name.startswith(p + ".")
+                                 for p in packages):
+      continue
+    try:
+      values = list(vars(module).values())
+    except TypeError:
+      continue
+    names.update(v.name for v in values if isinstance(v, Primitive))
+  _primitive_names_cache.clear()
+  _primitive_names_cache[key] = result = frozenset(names)
+  return result
 
 
 def jaxprs_in_params(params) -> list:
@@ -395,11 +453,13 @@ __all__ = [
     "new_primitive",
     "open_jaxpr_with_consts_first",
     "Primitive",
+    "primitive_names",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
     "scan_counts",
     "scan_p",
     "scope_names",
+    "shard_map_body_context",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",

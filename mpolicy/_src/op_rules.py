@@ -13,7 +13,10 @@ Every primitive not in the table runs in the dtype of its inputs.
 
 The table is data: a primitive name maps to its class and a one-line reason
 that `explain` shows. `DEFAULT_RULES` translates autocast's published op
-lists to JAX primitives; `OpRules.with_ops` derives a new table.
+lists to JAX primitives; `OpRules.with_ops` derives a new table, and
+`OpRules.with_rule` hands one primitive to a function of the user's.
+Primitive names are checked against the primitives JAX (and mpolicy)
+define, so a typo is an error rather than a rule that never fires.
 
 JAX decomposes composite functions into primitives, so the rules for those
 follow from the table: `jax.nn.softmax`, `log_softmax` and `logsumexp` are
@@ -25,10 +28,14 @@ half and stays in the input dtype. Layer and batch norms sum many values
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 import dataclasses
+import difflib
 import types
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+from mpolicy._src import higher_order
+from mpolicy._src import jax_compat
 
 LOWER = "lower"
 FULL = "full"
@@ -105,7 +112,62 @@ _DEFAULT_TABLE: dict[str, tuple[str, str]] = {
 }
 
 
-def _as_names(names: Optional[Names], arg: str) -> tuple[str, ...]:
+RuleFn = Callable[..., Any]
+"""A custom rule: ``fn(policy, *args, **params) -> outputs`` (see `with_rule`)."""
+
+
+def known_primitive_names() -> frozenset[str]:
+  """Names a rule may refer to: JAX's primitives, mpolicy's and the table's.
+
+  JAX's are those defined by the JAX modules imported so far (`jax.lax`,
+  its linear algebra, collectives, control flow, random numbers, ...);
+  mpolicy's are its own (``amp_dot_general``, ...).
+
+  >>> {"exp", "dot_general", "amp_dot_general"} <= known_primitive_names()
+  True
+
+  See also: `OpRules.with_ops`, `OpRules.with_rule` (their ``strict``).
+  """
+  return (jax_compat.primitive_names(("jax", "mpolicy"))
+          | frozenset(_DEFAULT_TABLE))
+
+
+def rule_name(fn: RuleFn) -> str:
+  """How `explain` names a custom rule: its module-qualified name."""
+  inner = fn.func if hasattr(fn, "func") and callable(fn.func) else fn
+  name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
+  if name is None:
+    return repr(fn)
+  module = getattr(inner, "__module__", None)
+  name = f"{module}.{name}" if module and module != "builtins" else name
+  return f"partial({name})" if inner is not fn else name
+
+
+def _check_known(names: Iterable[str], where: str, known: frozenset[str],
+                 strict: bool) -> None:
+  """Raises if a name is not a primitive that exists (unless not strict)."""
+  if not strict:
+    return
+  unknown = [n for n in names if n not in known]
+  if not unknown:
+    return
+  all_known = known | known_primitive_names()
+  for name in unknown:
+    if name in all_known:
+      continue
+    close = difflib.get_close_matches(name, sorted(all_known), n=5,
+                                      cutoff=0.6)
+    hint = (f"did you mean {', '.join(repr(c) for c in close)}?" if close
+            else "no primitive has a similar name.")
+    raise ValueError(
+        f"{where}: unknown primitive name {name!r}; {hint} Names are "
+        f"`Primitive.name`s as they appear in a jaxpr (e.g. 'dot_general', "
+        f"'exp', 'reduce_sum'). For a primitive JAX does not define (your "
+        f"own), pass strict=False.")
+
+
+def _as_names(names: Optional[Names], arg: str,
+              where: str = "OpRules.with_ops") -> tuple[str, ...]:
   """Checks and normalises one keyword of `OpRules.with_ops`."""
   if names is None:
     return ()
@@ -115,23 +177,30 @@ def _as_names(names: Optional[Names], arg: str) -> tuple[str, ...]:
     names = tuple(names)
   except TypeError:
     raise TypeError(
-        f"OpRules.with_ops({arg}=...) takes a primitive name or an iterable "
+        f"{where}({arg}=...) takes a primitive name or an iterable "
         f"of names, got {names!r}") from None
   for name in names:
     if not isinstance(name, str):
       hint = (f" (use {name.name!r})" if isinstance(getattr(name, "name", None),
                                                      str) else "")
       raise TypeError(
-          f"OpRules.with_ops({arg}=...): primitive names must be strings such "
+          f"{where}({arg}=...): primitive names must be strings such "
           f"as 'dot_general', got {name!r}{hint}")
     if not name:
-      raise ValueError(f"OpRules.with_ops({arg}=...): empty primitive name")
+      raise ValueError(f"{where}({arg}=...): empty primitive name")
   return names
+
+
+def _hash_rule(item: tuple[str, RuleFn]) -> int:
+  try:
+    return hash(item)
+  except TypeError:  # An unhashable callable: equal only to itself.
+    return hash((item[0], id(item[1])))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpRules:
-  """An immutable table: primitive name -> op class and reason.
+  """An immutable table: primitive name -> op class and reason, or a rule.
 
   >>> rules = DEFAULT_RULES.with_ops(full=["dot_general"])
   >>> rules.class_of("dot_general"), DEFAULT_RULES.class_of("dot_general")
@@ -141,24 +210,38 @@ class OpRules:
   >>> "exp" in DEFAULT_RULES.full and "dot_general" in DEFAULT_RULES.lower
   True
 
+  A primitive has at most one entry: a class (`with_ops`) or a custom rule
+  function (`with_rule`); the later call wins.
+
   See also: `DEFAULT_RULES`, `amp`, `explain` (which shows `reason_of`).
   """
   _table: Mapping[str, tuple[str, str]] = dataclasses.field(
       default_factory=dict)
+  _rules: Mapping[str, RuleFn] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     object.__setattr__(self, "_table",
                        types.MappingProxyType(dict(self._table)))
+    object.__setattr__(self, "_rules",
+                       types.MappingProxyType(dict(self._rules)))
 
   def class_of(self, name: str) -> Optional[str]:
-    """``'lower'``, ``'full'``, ``'promote'``, or ``None`` (runs as its inputs)."""
+    """``'lower'``, ``'full'``, ``'promote'``, or ``None`` (runs as its inputs,
+    or as its custom rule says: see `rule_of`)."""
     entry = self._table.get(name)
     return entry[0] if entry else None
 
   def reason_of(self, name: str) -> Optional[str]:
     """The one-line reason for ``name``'s class, or ``None`` if unlisted."""
     entry = self._table.get(name)
-    return entry[1] if entry else None
+    if entry:
+      return entry[1]
+    fn = self._rules.get(name)
+    return f"custom rule {rule_name(fn)}" if fn is not None else None
+
+  def rule_of(self, name: str) -> Optional[RuleFn]:
+    """The custom rule function given for ``name`` by `with_rule`, or ``None``."""
+    return self._rules.get(name)
 
   def names(self, op_class: str) -> frozenset[str]:
     """All primitive names in ``op_class``."""
@@ -181,17 +264,38 @@ class OpRules:
     """Primitives run in the widest floating dtype among their inputs."""
     return self.names(PROMOTE)
 
+  @property
+  def custom(self) -> frozenset[str]:
+    """Primitives run by a custom rule function (see `with_rule`)."""
+    return frozenset(self._rules)
+
+  def _known(self) -> frozenset[str]:
+    return frozenset(self._table) | frozenset(self._rules)
+
   def with_ops(self, *, lower: Optional[Names] = None,
                full: Optional[Names] = None,
                promote: Optional[Names] = None,
-               reason: str = "user rule") -> OpRules:
+               reason: str = "user rule", strict: bool = True) -> OpRules:
     """A new table where each named primitive moves to the class given.
+
+    A custom rule given earlier for a named primitive is dropped.
 
     >>> r = DEFAULT_RULES.with_ops(lower="exp", full=("dot_general",))
     >>> r.class_of("exp"), r.reason_of("exp")
     ('lower', 'user rule')
 
-    See also: `OpRules.without_ops`, to let primitives run as their inputs.
+    Args:
+      lower, full, promote: a primitive name or an iterable of names
+        (`Primitive.name`, as in a jaxpr).
+      reason: the reason `explain` shows for these entries.
+      strict: if ``True`` (the default), a name that is no known primitive
+        (see `known_primitive_names`) raises ``ValueError`` listing close
+        matches; ``False`` accepts any name (for primitives of your own).
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    See also: `OpRules.without_ops`, `OpRules.with_rule`.
     """
     moves = {LOWER: _as_names(lower, LOWER), FULL: _as_names(full, FULL),
              PROMOTE: _as_names(promote, PROMOTE)}
@@ -203,38 +307,106 @@ class OpRules:
               f"OpRules.with_ops: {name!r} is given both as {seen[name]!r} "
               f"and as {op_class!r}; a primitive has one class")
         seen[name] = op_class
+    for op_class, names in moves.items():
+      _check_known(names, f"OpRules.with_ops({op_class}=...)", self._known(),
+                   strict)
     table = dict(self._table)
     table.update({name: (op_class, reason) for name, op_class in seen.items()})
-    return OpRules(table)
+    rules = {n: f for n, f in self._rules.items() if n not in seen}
+    return OpRules(table, rules)
 
-  def without_ops(self, *names: str) -> OpRules:
+  def with_rule(self, name: str, fn: RuleFn, *, strict: bool = True) -> OpRules:
+    """A new table where primitive ``name`` runs as ``fn`` says.
+
+    ``fn(policy, *args, **params) -> outputs`` replaces the primitive
+    wherever the op rules apply (not inside `full_precision()` blocks), and
+    overrides its class. ``policy`` is the `Policy` governing the equation
+    (``None`` where none does); ``args`` are the primitive's operands in
+    the dtypes they arrive in, and ``params`` its parameters. ``fn`` does
+    its own casts: the interpreter inserts none around it, and runs the
+    operations ``fn`` binds as they are (no rules inside). It returns one
+    array for a primitive with one result, or a sequence of arrays, one per
+    result, for a primitive with several (``multiple_results``). Each
+    output must have the shape of the primitive's; its dtype is ``fn``'s
+    choice.
+
+    >>> import jax, jax.numpy as jnp
+    >>> def exp_in_bf16(policy, x, **params):
+    ...   return jax.lax.exp(x.astype(jnp.bfloat16))
+    >>> rules = DEFAULT_RULES.with_rule("exp", exp_in_bf16)
+    >>> rules.rule_of("exp") is exp_in_bf16, rules.class_of("exp")
+    (True, None)
+
+    Args:
+      name: the primitive's name (`Primitive.name`, e.g. ``"exp"``).
+      fn: the rule function.
+      strict: if ``True`` (the default), an unknown primitive name raises
+        ``ValueError`` listing close matches; ``False`` accepts any name.
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    See also: `OpRules.with_ops`, `explain` (which names ``fn``).
+    """
+    if not isinstance(name, str) or not name:
+      hint = (f" (use {name.name!r})" if isinstance(getattr(name, "name", None),
+                                                     str) else "")
+      raise TypeError(
+          f"OpRules.with_rule(name=...): the primitive's name must be a "
+          f"non-empty string such as 'exp', got {name!r}{hint}")
+    if not callable(fn):
+      raise TypeError(
+          f"OpRules.with_rule({name!r}, fn): fn must be callable as "
+          f"fn(policy, *args, **params) -> outputs, got {fn!r}")
+    if name in higher_order.supported():
+      raise ValueError(
+          f"OpRules.with_rule({name!r}, ...): {name!r} is a higher-order "
+          f"primitive (it carries sub-jaxprs the interpreter enters); custom "
+          f"rules are for first-order primitives such as 'exp' or "
+          f"'dot_general'")
+    _check_known((name,), "OpRules.with_rule(name=...)", self._known(), strict)
+    table = {n: e for n, e in self._table.items() if n != name}
+    return OpRules(table, dict(self._rules, **{name: fn}))
+
+  def without_ops(self, *names: str, strict: bool = True) -> OpRules:
     """A new table where ``names`` run in the dtype of their inputs.
+
+    Their class or custom rule, if any, is dropped.
 
     >>> DEFAULT_RULES.without_ops("exp").class_of("exp") is None
     True
 
     See also: `OpRules.with_ops`.
     """
-    names = _as_names(names, "names")
-    return OpRules({n: e for n, e in self._table.items() if n not in names})
+    names = _as_names(names, "names", "OpRules.without_ops")
+    _check_known(names, "OpRules.without_ops", self._known(), strict)
+    return OpRules({n: e for n, e in self._table.items() if n not in names},
+                   {n: f for n, f in self._rules.items() if n not in names})
 
   def __iter__(self) -> Iterator[str]:
-    return iter(sorted(self._table))
+    return iter(sorted(self._known()))
 
   def __len__(self) -> int:
-    return len(self._table)
+    return len(self._known())
 
   def __contains__(self, name: object) -> bool:
-    return name in self._table
+    return name in self._table or name in self._rules
 
   def __eq__(self, other: object) -> bool:
-    return isinstance(other, OpRules) and dict(self._table) == dict(other._table)
+    return (isinstance(other, OpRules)
+            and dict(self._table) == dict(other._table)
+            and dict(self._rules) == dict(other._rules))
 
   def __hash__(self) -> int:
-    return hash(frozenset(self._table.items()))
+    return hash((frozenset(self._table.items()),
+                 frozenset(_hash_rule(i) for i in self._rules.items())))
 
   def __repr__(self) -> str:
     parts = [f"{c}={sorted(self.names(c))}" for c in CLASSES]
+    if self._rules:
+      parts.append("custom={" + ", ".join(
+          f"{n!r}: {rule_name(f)}" for n, f in sorted(self._rules.items()))
+                   + "}")
     return f"OpRules({', '.join(parts)})"
 
 

@@ -1,0 +1,508 @@
+"""A differential fuzzer: random programs, `amp`-ed and plain, compared.
+
+Each program is drawn from a seed: a few lax operations (arithmetic, exp,
+log, tanh, logistic, matmuls, reductions, broadcasts, reshapes, transposes,
+concatenations, selects, powers, max) and nested higher-order primitives
+(jit, scan, fori_loop, while_loop, cond, checkpoint, custom_jvp,
+custom_vjp) over two (4, 4) inputs. Two properties are checked:
+
+* under the policy ``full``, `amp(f)` is bitwise ``f`` under `jit`, `grad`
+  and `jvp`;
+* under ``bf16`` and ``f16`` compute policies, `amp(f)` under `jit`, `grad`,
+  `vmap`, `jvp` and `jacfwd` stays within a bounded error of ``f`` in
+  float32 and makes no NaN or inf where ``f`` is finite.
+
+The generator tracks a bound on every value's magnitude and only picks an
+operation whose result stays within ``_LIMIT`` (so float16 cannot overflow
+and exp is only taken of small values); predicates of `select` and `cond`
+read the raw inputs, so both programs take the same branches. A failing
+case prints its seed and the program, which `_program(seed, ...)` rebuilds.
+
+A short slice runs by default; ``-m slow`` runs the long one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpolicy
+
+from _helpers import same_bits
+
+HI = jax.lax.Precision.HIGHEST
+_LIMIT = 40.0  # Bound on any value's magnitude (float16 tops at 65504).
+_SHAPE = (4, 4)
+
+# Operation name -> number of value operands.
+_FIRST_ORDER = {
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "max": 2, "dot": 2, "dot_t": 2,
+    "rowdot": 2, "concat": 2, "select": 2,
+    "exp": 1, "logabs1": 1, "tanh": 1, "logistic": 1, "sum": 1, "rmax": 1,
+    "reshape": 1, "transpose": 1, "ipow": 1, "scalar": 1, "const": 1,
+}
+# Matmuls are what half policies change most: drawn three times as often.
+_OPS = sorted(_FIRST_ORDER)
+_WEIGHTS = [3.0 if op in ("dot", "dot_t", "rowdot") else 1.0 for op in _OPS]
+# "full_precision" is no primitive: a block of the sub-program under
+# `mpolicy.full_precision()` (a no-op in the plain program).
+_HIGHER_ORDER = ("jit", "scan", "fori", "while", "cond", "checkpoint",
+                 "custom_jvp", "custom_vjp", "full_precision")
+
+
+# --- Programs -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Step:
+  """One operation: ``op`` on env values ``args`` (indices), with ``extra``
+  (a constant, an axis) and ``subs`` (sub-programs of higher-order ops)."""
+  op: str
+  args: tuple[int, ...]
+  extra: Any = None
+  subs: tuple["Program", ...] = ()
+
+  def render(self, indent: str) -> list[str]:
+    head = f"{indent}v = {self.op}({', '.join(f'v{i}' for i in self.args)}"
+    head += f"; {self.extra!r})" if self.extra is not None else ")"
+    lines = [head]
+    for k, sub in enumerate(self.subs):
+      lines.append(f"{indent}  sub{k}(" + ", ".join(
+          f"v{i}" for i in range(sub.n_in)) + "):")
+      lines += sub.render(indent + "    ")
+    return lines
+
+
+@dataclasses.dataclass
+class Program:
+  """Steps over ``n_in`` inputs; env value ``i`` is input ``i`` or the result
+  of step ``i - n_in``; the last value is the output."""
+  n_in: int
+  steps: list[Step]
+
+  def render(self, indent: str = "") -> list[str]:
+    out = []
+    for k, step in enumerate(self.steps):
+      lines = step.render(indent)
+      lines[0] = lines[0].replace("v =", f"v{self.n_in + k} =", 1)
+      out += lines
+    return out
+
+  def __str__(self):
+    return "\n".join(self.render())
+
+
+class _Gen:
+  """Draws programs whose values stay within ``_LIMIT``."""
+
+  def __init__(self, seed: int, higher: tuple[str, ...], depth: int):
+    self.rng = random.Random(seed)
+    self.higher = higher
+    self.depth = depth
+
+  def pick(self, bounds: list[float]) -> int:
+    # Prefer recent values, so programs are chains more than fans.
+    n = len(bounds)
+    weights = [1.0 + 2.0 * (i >= n - 2) for i in range(n)]
+    return self.rng.choices(range(n), weights)[0]
+
+  def program(self, in_bounds: list[float], n_steps: int,
+              depth: int) -> tuple[Program, float]:
+    bounds = list(in_bounds)
+    steps = []
+    for _ in range(n_steps):
+      step, bound = self.step(bounds, depth)
+      steps.append(step)
+      bounds.append(bound)
+    return Program(len(in_bounds), steps), bounds[-1]
+
+  def step(self, bounds: list[float], depth: int) -> tuple[Step, float]:
+    rng = self.rng
+    if depth < self.depth and self.higher and rng.random() < 0.3:
+      return self.higher_step(bounds, depth)
+    for _ in range(20):
+      op = rng.choices(_OPS, _WEIGHTS)[0]
+      args = tuple(self.pick(bounds) for _ in range(_FIRST_ORDER[op]))
+      extra = None
+      if op in ("sum", "rmax", "concat"):
+        extra = rng.randrange(2)
+      elif op == "ipow":
+        extra = rng.choice((2, 3))
+      elif op == "scalar":
+        extra = rng.choice((0.5, 2.0, -1.5, 3))
+      elif op == "const":
+        extra = rng.randrange(1000)
+      elif op == "select":
+        extra = (rng.randrange(2), rng.choice((0.0, 0.5, -0.3)))
+      bound = _bound(op, [bounds[i] for i in args], extra)
+      if bound <= _LIMIT:
+        return Step(op, args, extra), bound
+    return Step("tanh", (len(bounds) - 1,)), 1.0
+
+  def higher_step(self, bounds: list[float], depth: int) -> tuple[Step, float]:
+    rng = self.rng
+    op = rng.choice(self.higher)
+    n_args = rng.choice((1, 2))
+    args = tuple(self.pick(bounds) for _ in range(n_args))
+    in_bounds = [bounds[i] for i in args]
+    n_steps = rng.randint(1, 4)
+    if op in ("scan", "fori", "while"):
+      # The carry is squashed by tanh after each iteration.
+      in_bounds[0] = max(in_bounds[0], 1.0)
+      sub, sub_bound = self.program(in_bounds, n_steps, depth + 1)
+      length = rng.choice((1, 2, 3))
+      bound = 1.0 + sub_bound if op == "scan" else max(in_bounds[0], 1.0)
+      return Step(op, args, length, (sub,)), bound
+    if op == "cond":
+      a, bound_a = self.program(in_bounds, n_steps, depth + 1)
+      b, bound_b = self.program(in_bounds, rng.randint(1, 4), depth + 1)
+      extra = (rng.randrange(2), rng.choice((0.0, 1.0)))
+      return Step(op, args, extra, (a, b)), max(bound_a, bound_b)
+    sub, bound = self.program(in_bounds, n_steps, depth + 1)
+    return Step(op, args, None, (sub,)), bound
+
+
+def _bound(op: str, b: list[float], extra) -> float:
+  if op in ("add", "sub"):
+    return b[0] + b[1]
+  if op == "mul":
+    return b[0] * b[1]
+  if op in ("dot", "dot_t"):
+    return b[0] * b[1]  # Scaled by 1/4 after a 4-term contraction.
+  if op == "rowdot":
+    return b[0] * b[1]
+  if op in ("max", "concat", "select"):
+    return max(b)
+  if op == "exp":
+    return float(np.exp(b[0])) if b[0] <= 3.0 else np.inf
+  if op == "logabs1":
+    return float(np.log1p(b[0]))
+  if op in ("tanh", "logistic"):
+    return 1.0
+  if op == "const":
+    return b[0] + 1.0
+  if op == "ipow":
+    return b[0] ** extra
+  if op == "scalar":
+    return b[0] if extra == 3 else b[0] * abs(extra)  # a + 3 - 3, or a * c.
+  return b[0]  # div, sum (a mean), rmax, reshape, transpose.
+
+
+def _program(seed: int, *, higher=_HIGHER_ORDER, depth: int = 2) -> Program:
+  gen = _Gen(seed, tuple(higher), depth)
+  n_steps = gen.rng.randint(3, 8)
+  program, _ = gen.program([3.0, 3.0], n_steps, 0)
+  return program
+
+
+# --- Running a program ----------------------------------------------------------
+
+
+def _first_order(op: str, a, b, extra, raw):
+  lax = jax.lax
+  if op == "add":
+    return a + b
+  if op == "sub":
+    return lax.sub(a, b)
+  if op == "mul":
+    return lax.mul(a, b)
+  if op == "div":
+    return lax.div(a, jnp.abs(b) + 1)
+  if op == "max":
+    return lax.max(a, b)
+  if op == "dot":
+    return lax.dot_general(a, b, (([1], [0]), ([], [])), precision=HI) * 0.25
+  if op == "dot_t":
+    return lax.dot_general(a, b, (([0], [0]), ([], [])), precision=HI) * 0.25
+  if op == "rowdot":
+    row = lax.dot_general(a, b, (([1], [1]), ([0], [0])), precision=HI) * 0.25
+    return lax.broadcast_in_dim(row, _SHAPE, (0,))
+  if op == "concat":
+    both = lax.concatenate([a, b], extra)
+    start = (2, 0) if extra == 0 else (0, 2)
+    return lax.slice(both, start, (start[0] + 4, start[1] + 4))
+  if op == "select":
+    which, thr = extra
+    return lax.select(raw[which] > thr, a, b)
+  if op == "exp":
+    return lax.exp(a)
+  if op == "logabs1":
+    return lax.log(jnp.abs(a) + 1)
+  if op == "tanh":
+    return lax.tanh(a)
+  if op == "logistic":
+    return jax.nn.sigmoid(a)
+  if op == "sum":
+    return lax.broadcast_in_dim(jnp.sum(a, axis=extra) * 0.25, _SHAPE,
+                                (1 - extra,))
+  if op == "rmax":
+    return lax.broadcast_in_dim(jnp.max(a, axis=extra), _SHAPE, (1 - extra,))
+  if op == "reshape":
+    return lax.reshape(lax.transpose(lax.reshape(a, (2, 8)), (1, 0)), _SHAPE)
+  if op == "transpose":
+    return lax.transpose(a, (1, 0))
+  if op == "ipow":
+    return lax.integer_pow(a, extra)
+  if op == "scalar":
+    return a * extra if extra != 3 else a + extra - 3
+  if op == "const":  # A closed-over float32 numpy constant.
+    return a + np.random.default_rng(extra).uniform(-1, 1, _SHAPE).astype(
+        np.float32)
+  raise ValueError(op)
+
+
+def _run(program: Program, vals: list, raw) -> Any:
+  env = list(vals)
+  for step in program.steps:
+    args = [env[i] for i in step.args]
+    if step.subs:
+      out = _higher_order(step, args, raw)
+    else:
+      out = _first_order(step.op, args[0], args[-1], step.extra, raw)
+    env.append(out)
+  return env[-1]
+
+
+def _higher_order(step: Step, args: list, raw):
+  """Runs a higher-order step. The raw inputs (read by predicates) are
+  passed to its body as operands, never closed over."""
+  op = step.op
+  lax = jax.lax
+  n = len(args)
+  sub = _sub_fn(step.subs[0], n)
+  args = [*args, *raw]
+  if op == "jit":
+    return jax.jit(sub)(*args)
+  if op == "checkpoint":
+    return jax.checkpoint(sub)(*args)
+  if op == "full_precision":
+    with mpolicy.full_precision():
+      return sub(*args)
+  if op == "custom_jvp":
+    fn = jax.custom_jvp(sub)
+    fn.defjvp(lambda primals, tangents: jax.jvp(sub, primals, tangents))
+    return fn(*args)
+  if op == "custom_vjp":
+    fn = jax.custom_vjp(sub)
+    fn.defvjp(lambda *a: (sub(*a), a),
+              lambda res, g: jax.vjp(sub, *res)[1](g))
+    return fn(*args)
+  if op == "cond":
+    which, thr = step.extra
+    other = _sub_fn(step.subs[1], n)
+    return lax.cond(jnp.sum(raw[which]) > thr, sub, other, *args)
+  carry, consts = args[0], args[1:]
+  if op == "scan":
+    def body(c, _):
+      y = sub(c, *consts)
+      return jnp.tanh(y), y
+    final, ys = lax.scan(body, carry, None, length=step.extra)
+    return final + jnp.sum(ys, axis=0) * (1.0 / step.extra)
+  if op == "fori":
+    return lax.fori_loop(0, step.extra,
+                         lambda i, c: jnp.tanh(sub(c, *consts)), carry)
+  if op == "while":
+    def cond_fn(ic):
+      return ic[0] < step.extra
+
+    def body_fn(ic):
+      return ic[0] + 1, jnp.tanh(sub(ic[1], *consts))
+
+    return lax.while_loop(cond_fn, body_fn, (0, carry))[1]
+  raise ValueError(op)
+
+
+def _sub_fn(program: Program, n: int):
+  """``program`` as a function of its ``n`` values, then the raw inputs."""
+  def fn(*vals):
+    return _run(program, list(vals[:n]), tuple(vals[n:]))
+  return fn
+
+
+def _as_fn(program: Program):
+  def f(x, w):
+    return _run(program, [x, w], (x, w))
+  return f
+
+
+def _inputs(seed: int, batch: int = 0):
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  shape = ((batch,) if batch else ()) + _SHAPE
+  return (jax.random.uniform(kx, shape, minval=-3.0, maxval=3.0),
+          jax.random.uniform(kw, shape, minval=-3.0, maxval=3.0))
+
+
+def _describe(seed: int, program: Program, what: str) -> str:
+  return (f"fuzz seed {seed}: {what}\nprogram (inputs v0=x, v1=w):\n"
+          f"{program}")
+
+
+# --- Properties -------------------------------------------------------------------
+
+
+def _loss(fn, r):
+  return lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * r)
+
+
+_FORWARD_ONLY = ("jit", "vmap", "jvp", "jacfwd")
+
+
+def _programs(seed: int) -> dict[str, Program]:
+  """The seed's programs. Reverse mode cannot enter a while_loop and forward
+  mode cannot enter a custom_vjp: each mode gets one it can differentiate."""
+  return {
+      "rev": _program(seed, higher=[h for h in _HIGHER_ORDER if h != "while"]),
+      "fwd": _program(seed, higher=[h for h in _HIGHER_ORDER
+                                    if h != "custom_vjp"]),
+  }
+
+
+def _runner(mode: str, seed: int):
+  """``run(fn)``: ``fn`` under ``mode`` at the seed's inputs."""
+  x, w = _inputs(seed)
+  r = jax.random.normal(jax.random.PRNGKey(seed + 1), _SHAPE)
+  tx, tw = _inputs(seed + 7)
+  xs, ws = _inputs(seed, batch=3)
+  return {
+      "jit": lambda fn: jax.jit(fn)(x, w),
+      "grad": lambda fn: jax.jit(jax.grad(_loss(fn, r), argnums=(0, 1)))(
+          x, w),
+      "vmap": lambda fn: jax.jit(jax.vmap(fn))(xs, ws),
+      "jvp": lambda fn: jax.jit(lambda a, b: jax.jvp(fn, (a, b), (tx, tw)))(
+          x, w),
+      "jacfwd": lambda fn: jax.jit(jax.jacfwd(fn, argnums=(0, 1)))(x, w),
+  }[mode]
+
+
+def check_full_is_bitwise(seed: int) -> None:
+  """`amp(f, "full")` is bitwise ``f`` under jit, grad and jvp."""
+  programs = _programs(seed)
+  for mode in ("jit", "grad", "jvp"):
+    program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
+    f = _as_fn(program)
+    run = _runner(mode, seed)
+    want, got = run(f), run(mpolicy.amp(f, "full"))
+    assert same_bits(got, want), _describe(
+        seed, program, f"amp(f, 'full') differs from f under {mode}")
+
+
+def _err(got, want) -> float:
+  got = np.asarray(got, np.float32)
+  want = np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1.0))
+
+
+_TOLERANCE = {"bf16": 0.1, "f16": 0.02}
+_POLICIES = {"bf16": "p=f32,c=bf16,o=f32", "f16": "p=f32,c=f16,o=f32"}
+_MODES = ("jit", "grad", "vmap", "jvp", "jacfwd")
+
+
+def half_errors(seed: int, policy: str) -> dict[str, float]:
+  """Normalised errors of `amp(f, policy)` vs ``f`` per mode; raises on
+  NaN or inf where ``f`` is finite, or on a dtype or shape change."""
+  programs = _programs(seed)
+  errors = {}
+  for mode in _MODES:
+    program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
+    f = _as_fn(program)
+    run = _runner(mode, seed)
+    want, got = run(f), run(mpolicy.amp(f, _POLICIES[policy]))
+    pairs = list(zip(jax.tree_util.tree_leaves(got),
+                     jax.tree_util.tree_leaves(want)))
+    for a, b in pairs:
+      assert a.shape == b.shape and a.dtype == b.dtype == np.float32, _describe(
+          seed, program, f"{policy} {mode}: {a.dtype}{a.shape} returned for "
+          f"{b.dtype}{b.shape}")
+      a, b = np.asarray(a), np.asarray(b)
+      assert not (np.isfinite(b) & ~np.isfinite(a)).any(), _describe(
+          seed, program, f"{policy} {mode}: non-finite where float32 is finite")
+    errors[mode] = max(_err(a, b) for a, b in pairs)
+  return errors, programs
+
+
+def check_half_is_close(seed: int, policy: str) -> None:
+  errors, programs = half_errors(seed, policy)
+  for mode, err in errors.items():
+    program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
+    assert err <= _TOLERANCE[policy], _describe(
+        seed, program, f"{policy} {mode}: error {err:.4f} > "
+        f"{_TOLERANCE[policy]}")
+
+
+# --- Tests ----------------------------------------------------------------------
+
+
+def _scan_is_entered() -> bool:
+  """Whether `amp` can enter a `scan` on this JAX (its params changed in
+  JAX 0.11: ``num_consts``/``num_carry`` became flat-tree params)."""
+  fn = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=2)[0]
+  try:
+    jax.make_jaxpr(mpolicy.amp(fn, "full"))(jnp.ones(2))
+  except KeyError:
+    return False
+  return True
+
+
+_SHORT = range(2)
+_LONG = range(2, 150)
+
+
+def _uses_scan(seed: int) -> bool:
+  """Whether one of the seed's programs has a scan or a static fori_loop."""
+  def walk(program):
+    return any(step.op in ("scan", "fori") or any(walk(p) for p in step.subs)
+               for step in program.steps)
+  return any(walk(p) for p in _programs(seed).values())
+
+
+# Programs with scan or fori_loop hit a known interpreter bug on JAX 0.11
+# (the scan rule reads params that 0.11 no longer has). Where the bug is
+# present, exactly those cases are expected to fail with it; elsewhere, and
+# once it is fixed, they run as every other case.
+_SCAN_BUG = pytest.mark.xfail(
+    raises=KeyError, strict=True,
+    reason="amp cannot enter lax.scan on this JAX: KeyError 'num_consts' in "
+    "higher_order._scan (scan params changed in JAX 0.11)")
+
+
+def _seeds(seeds, *, slow: bool = False) -> list:
+  marks = [pytest.mark.slow] if slow else []
+  scan_ok = _scan_is_entered()
+  return [pytest.param(seed, marks=marks + (
+      [] if scan_ok or not _uses_scan(seed) else [_SCAN_BUG]))
+          for seed in seeds]
+
+
+def test_programs_are_reproducible_and_varied():
+  assert str(_program(5)) == str(_program(5))
+  ops = {s.op for seed in range(40) for s in _program(seed).steps}
+  assert set(_HIGHER_ORDER) <= ops and {"dot", "exp", "select"} <= ops
+
+
+@pytest.mark.parametrize("seed", _seeds(_SHORT))
+def test_full_policy_is_bitwise_plain(seed):
+  check_full_is_bitwise(seed)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_SHORT))
+def test_half_policies_are_close_and_finite(seed, policy):
+  check_half_is_close(seed, policy)
+
+
+@pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
+def test_full_policy_is_bitwise_plain_long(seed):
+  check_full_is_bitwise(seed)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
+def test_half_policies_are_close_and_finite_long(seed, policy):
+  check_half_is_close(seed, policy)
