@@ -467,3 +467,13 @@ def test_float32_matmul_still_lowers_under_x64():
     eqns = _helpers.all_eqns(f, jnp.ones((2, 3), jnp.float32),
                              jnp.ones((3, 4), jnp.float32))
     assert any(e.primitive.name == "amp_dot_general" for e in eqns)
+
+
+def test_explain_says_float64_matmul_is_not_eligible():
+  with jax.enable_x64(True):
+    f = mpolicy.amp(lambda x, w: x @ w, "half")
+    report = mpolicy.explain(f, jnp.ones((2, 3), jnp.float64),
+                             jnp.ones((3, 4), jnp.float64))
+    dots = [r for r in report.rows if r.primitive == "dot_general"]
+    assert [r.ran_in for r in dots] == ["float64"]
+    assert "float64: not eligible" in dots[0].decided_by

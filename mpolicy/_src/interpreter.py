@@ -395,7 +395,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       target = _array_target(eqn, args)
       if op_class == op_rules_lib.LOWER and rule != "as written":
         why = ("lower op, but no half compute dtype governs: runs as written"
-               if policy is None or not _is_half(policy.compute_dtype) else why)
+               if policy is None or not _is_half(policy.compute_dtype) else
+               "lower op on float64: not eligible, runs as written")
     if target is not None:
       args = _unify(env, eqn, args, target)
     outs, natural = _bind_natural(env, eqn, args)
@@ -623,7 +624,10 @@ def amp(fn: Callable[..., Any], policy=None, *,
   Like PyTorch autocast: matmuls and convolutions run in ``policy``'s compute
   dtype with float32 accumulation, fragile ops (exp, log, sums, ...) in
   float32, everything else in the dtype of its inputs. Inputs are not cast
-  wholesale; floating outputs are cast to ``policy``'s output dtype. Works
+  wholesale; floating outputs are cast to ``policy``'s output dtype. Under
+  x64, float64 values are never narrowed: ops on them are not eligible for
+  the compute dtype and float64 outputs stay float64, so ``amp(f, "full")``
+  computes exactly what ``f`` does. Works
   under `jit`, `grad`, `vmap`, `pmap` and inside `shard_map`; the rules
   reach into nested `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
   `custom_jvp` and `custom_vjp`.
@@ -644,7 +648,10 @@ def amp(fn: Callable[..., Any], policy=None, *,
 
   Returns:
     A function with ``fn``'s signature. Non-array arguments (Python scalars,
-    bools, strings, None) are passed through as static values.
+    bools, strings, None) are passed through as static values; arguments of
+    different types (``2`` and ``2.0``, ``1`` and ``True``) are never
+    mistaken for each other. An output that is not an array, a Python
+    number or a bool raises a `TypeError` naming its place in the output.
 
   See also: `full_precision`, `OpRules`, `explain`, `transform_amp`.
   """
