@@ -23,6 +23,7 @@ import functools
 import sys
 import threading
 from typing import Any, Optional
+import warnings
 
 import haiku as hk
 import jax.numpy as jnp
@@ -113,11 +114,51 @@ def _in_full_precision() -> bool:
   return marker in jax_compat.current_scope_names()
 
 
+class HaikuPolicyWarning(UserWarning):
+  """Haiku's own mixed precision registry also holds a policy."""
+
+
+_warned_lock = threading.Lock()
+_warned_classes: set = set()
+
+
+def _haiku_policy_of(cls: type) -> Any:
+  """The policy `hk.mixed_precision.set_policy` gave ``cls``, or ``None``."""
+  try:
+    return hk.mixed_precision.get_policy(cls)
+  except Exception:  # pylint: disable=broad-except
+    return None  # A Haiku without this API applies no policy of its own.
+
+
+def _warn_if_haiku_policy(cls: type) -> None:
+  """Warns once per class when Haiku's own registry has a policy for it.
+
+  Haiku applies such a policy itself (its own interceptor), on top of
+  mpolicy's: both registries would cast the module's parameters, inputs
+  and outputs, which is never what a ported script means.
+  """
+  policy = _haiku_policy_of(cls)
+  if policy is None:
+    return
+  with _warned_lock:
+    if cls in _warned_classes:
+      return
+    _warned_classes.add(cls)
+  name = registry.module_class_name(cls)
+  warnings.warn(
+      f"hk.mixed_precision has a policy for {name} ({policy}) as well as "
+      "mpolicy: inside transform_amp both apply to its calls. Remove it "
+      f"with hk.mixed_precision.clear_policy({name}) and set it with "
+      f"mpolicy.set_policy({name}, ...) instead.",
+      HaikuPolicyWarning, stacklevel=2)
+
+
 def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
   """Runs one module method under the policy the registry gives it."""
   if context.method_name == "__init__":
     return next_f(*args, **kwargs)  # Constructors take configuration.
   module = context.module
+  _warn_if_haiku_policy(type(module))
   enclosing = _enclosing_region()
   if _in_full_precision() or (enclosing is not None
                               and enclosing.full_precision):
@@ -210,7 +251,12 @@ def transform_amp(fn: Callable[..., Any], *,
   to cast. State is stored in the param dtype. On top of that, `apply` runs
   through the interpreter, so each primitive runs in the dtype its op rule
   gives it (matmuls in half with float32 accumulation, exp/log/sums in
-  float32).
+  float32). Policies are read when ``init`` or ``apply`` is traced; the
+  registry's state is part of `jax.jit`'s cache key, so after a
+  `set_policy` (or under another thread's `push_policy`) a jitted ``apply``
+  is retraced rather than reused. A module class that also has a policy in
+  ``hk.mixed_precision`` (which Haiku would apply on top) gets a
+  `HaikuPolicyWarning`, once per class.
 
   >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
   >>> mpolicy.set_policy(hk.Module, "p=f32,c=bf16,o=f32")

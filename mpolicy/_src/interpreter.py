@@ -134,6 +134,11 @@ def _is_half(dtype) -> bool:
   return _is_float(dtype) and np.dtype(dtype).itemsize < 4
 
 
+def _is_double(dtype) -> bool:
+  """float64 (under x64): never narrowed, and not eligible for ``lower``."""
+  return _is_float(dtype) and np.dtype(dtype).itemsize > 4
+
+
 def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
   return max(dtypes, key=lambda d: (np.dtype(d).itemsize,
                                     np.dtype(d) == jnp.float16))
@@ -367,7 +372,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     rule, why = "as written", "reinterprets bits: runs as traced"
   elif (op_class == op_rules_lib.LOWER and policy is not None
         and _is_half(policy.compute_dtype)
-        and any(_is_float(_dtype(a)) for a in args)):
+        and any(_is_float(_dtype(a)) for a in args)
+        and not any(_is_double(_dtype(a)) for a in args)):
     compute = np.dtype(policy.compute_dtype)
     args = [env.cast(a, compute) if _is_float(_dtype(a)) else a for a in args]
     outs = _lower(env, eqn, args, compute)
@@ -401,7 +407,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       target = _array_target(eqn, args)
       if op_class == op_rules_lib.LOWER and rule != "as written":
         why = ("lower op, but no half compute dtype governs: runs as written"
-               if policy is None or not _is_half(policy.compute_dtype) else why)
+               if policy is None or not _is_half(policy.compute_dtype) else
+               "lower op on float64: not eligible, runs as written")
     if target is not None:
       args = _unify(env, eqn, args, target)
     outs, natural = _bind_natural(env, eqn, args)
@@ -530,11 +537,31 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
-class _Static:
-  """Non-array arguments as a jit static argument (hashed by value)."""
+def _static_key(x) -> Any:
+  """A key for a static leaf that tells apart what only compares equal.
 
-  def __init__(self, value):
-    self.value = value
+  ``1``, ``1.0`` and ``True`` are equal in Python but trace to different
+  programs, so the type is part of the key. Floats key by their bits, so
+  ``0.0`` and ``-0.0`` differ and a NaN matches itself.
+  """
+  if isinstance(x, float):
+    return (type(x), x.hex())
+  if isinstance(x, complex):
+    return (type(x), x.real.hex(), x.imag.hex())
+  return (type(x), x)
+
+
+class _Static:
+  """Non-array arguments as a jit static argument.
+
+  Compared by type and value (see `_static_key`), as `jax.jit` tells static
+  arguments apart: a cache entry made for ``f(x, 2)`` is not reused for
+  ``f(x, 2.0)``.
+  """
+
+  def __init__(self, leaves, treedef, traced):
+    self.value = (leaves, treedef, traced)
+    self._key = (tuple(_static_key(x) for x in leaves), treedef, traced)
 
   def hashable(self) -> bool:
     try:
@@ -544,10 +571,29 @@ class _Static:
       return False
 
   def __hash__(self):
-    return hash(self.value)
+    return hash(self._key)
 
   def __eq__(self, other):
-    return isinstance(other, _Static) and self.value == other.value
+    return isinstance(other, _Static) and self._key == other._key
+
+
+def _is_output_leaf(x) -> bool:
+  return _is_array_leaf(x) or isinstance(x, (bool, int, float, complex,
+                                             np.generic))
+
+
+def _check_outputs(fn, out) -> None:
+  """Raises a `TypeError` naming any output leaf JAX cannot return."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if not _is_output_leaf(leaf):
+      where = jax.tree_util.keystr(path) or "(the whole output)"
+      name = getattr(fn, "__qualname__", None) or repr(fn)
+      raise TypeError(
+          f"amp: the output of {name} at {where} is {leaf!r} of type "
+          f"{type(leaf).__module__}.{type(leaf).__qualname__}, which is not a "
+          "valid JAX type. An amp-wrapped function may return only arrays, "
+          "Python numbers and bools, and pytrees of them; return other "
+          "values from outside it.")
 
 
 def interpret(fn: Callable[..., Any], *, policy=None,
@@ -589,7 +635,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
       it = iter(arrs)
       full = [next(it) if t else x for x, t in zip(leaves, traced)]
       a, k = jax.tree_util.tree_unflatten(treedef, full)
-      outs, out_tree = jax.tree_util.tree_flatten(fn(*a, **k))
+      out = fn(*a, **k)
+      _check_outputs(fn, out)
+      outs, out_tree = jax.tree_util.tree_flatten(out)
       out_trees.append(out_tree)
       return outs
 
@@ -608,7 +656,10 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     final = []
     for out, aval in zip(outs, out_avals):
       target = aval.dtype
-      if cast_outputs and pol is not None:
+      if (cast_outputs and pol is not None
+          and not (_is_double(_dtype(out)) and not _is_double(
+              pol.output_dtype))):
+        # float64 outputs are never narrowed to the policy's output dtype.
         target = pol.output_dtype
       if _is_float(_dtype(out)) and _is_float(target):
         out = env.cast(out, target)
@@ -617,7 +668,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
 
   # Called eagerly, the interpreted program is compiled once per signature
   # rather than dispatched primitive by primitive.
-  jitted = jax.jit(lambda static, arrays: run(*static.value[:3], arrays),
+  # The registry's state is part of JAX's cache key (see `registry`), so a
+  # change of it retraces this and any enclosing `jax.jit`.
+  jitted = jax.jit(lambda static, arrays: run(*static.value, arrays),
                    static_argnums=0)
 
   @functools.wraps(fn)
@@ -626,8 +679,8 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     traced = tuple(_is_array_leaf(x) for x in leaves)
     arrays = [x for x, t in zip(leaves, traced) if t]
     if not any(isinstance(x, jax.core.Tracer) for x in arrays):
-      static = _Static((tuple(None if t else x for x, t in zip(leaves, traced)),
-                        treedef, traced, registry.state_key()))
+      static = _Static(tuple(None if t else x for x, t in zip(leaves, traced)),
+                       treedef, traced)
       if static.hashable():
         return jitted(static, arrays)
     return run(leaves, treedef, traced, arrays)
@@ -643,7 +696,10 @@ def amp(fn: Callable[..., Any], policy=None, *,
   Like PyTorch autocast: matmuls and convolutions run in ``policy``'s compute
   dtype with float32 accumulation, fragile ops (exp, log, sums, ...) in
   float32, everything else in the dtype of its inputs. Inputs are not cast
-  wholesale; floating outputs are cast to ``policy``'s output dtype. Works
+  wholesale; floating outputs are cast to ``policy``'s output dtype. Under
+  x64, float64 values are never narrowed: ops on them are not eligible for
+  the compute dtype and float64 outputs stay float64, so ``amp(f, "full")``
+  computes exactly what ``f`` does. Works
   under `jit`, `grad`, `vmap`, `pmap` and inside `shard_map`; the rules
   reach into nested `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
   `custom_jvp` and `custom_vjp`.
@@ -664,7 +720,10 @@ def amp(fn: Callable[..., Any], policy=None, *,
 
   Returns:
     A function with ``fn``'s signature. Non-array arguments (Python scalars,
-    bools, strings, None) are passed through as static values.
+    bools, strings, None) are passed through as static values; arguments of
+    different types (``2`` and ``2.0``, ``1`` and ``True``) are never
+    mistaken for each other. An output that is not an array, a Python
+    number or a bool raises a `TypeError` naming its place in the output.
 
   See also: `full_precision`, `OpRules`, `explain`, `transform_amp`.
   """

@@ -37,7 +37,7 @@ class Region:
     module_name: the Haiku module whose call this is, if any.
     module_class: that module's class name, if any.
     inherited: ``True`` when the policy comes from an enclosing module call or
-      named scope (API §3 rule 3) rather than from an entry of its own.
+      named scope (rule 3 of the registry's precedence) rather than from an entry of its own.
     full_precision: ``True`` inside `full_precision()`: the rules are off.
   """
   policy: Optional[policy_lib.Policy]

@@ -4,9 +4,15 @@ Keys are Haiku module classes (looked up along the MRO) or name patterns
 (`fnmatch` globs over full Haiku module names, or over `jax.named_scope`
 paths in plain JAX code). `set_policy` writes a process-global table;
 `push_policy` overlays it for the current thread only, so several threads
-may trace under different pushes at once.
+may trace under different pushes at once. Classes are keyed by module and
+qualified name, so a policy survives an `importlib.reload` of the module
+that defines the class.
 
-Precedence for a module call (API §3), most specific first:
+The registry's state is part of every `jax.jit` cache key: a function
+compiled under one state is retraced, never reused, under another (a
+`set_policy` after the first call, or another thread's push).
+
+Precedence for a module call, most specific first:
 
 1. a pattern matching the module's own full name (most `/`-components,
    then fewest wildcards, then the longest pattern);
@@ -26,6 +32,7 @@ import threading
 from typing import Any, Optional, Union
 
 import haiku as hk
+import jax
 
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
@@ -78,60 +85,128 @@ def key_name(key: Key) -> str:
   return f"{module}.{key.__qualname__}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _ClassKey:
+  """How a module class keys the table: by where it is defined.
+
+  A module reloaded with `importlib.reload` makes new class objects with the
+  same module and qualified name; keyed this way, they keep their policy.
+  """
+  module: str
+  qualname: str
+
+
+def _table_key(key: Key) -> Any:
+  """The table key of a checked registry key.
+
+  Patterns key by themselves. Classes key by (module, qualified name), so a
+  reloaded class finds its policy, except classes defined inside a function
+  (``<locals>`` in the qualified name): a factory makes a new class per
+  call, and these key by the class object so they do not share a policy.
+  """
+  if isinstance(key, str) or "<locals>" in key.__qualname__:
+    return key
+  return _ClassKey(key.__module__, key.__qualname__)
+
+
+_MODULE_KEY = _table_key(hk.Module)
+
+
+class _Push:
+  """One active `push_policy` of one thread (mutable: a clear cancels it)."""
+
+  __slots__ = ("key", "policy")
+
+  def __init__(self, key, policy: Optional[policy_lib.Policy]):
+    self.key = key
+    self.policy = policy  # None once `clear_policy` cancelled the push.
+
+
+# Two JAX user contexts make the registry part of every jit cache key, so
+# a compiled function traced under one registry state is never reused under
+# another: JAX retraces instead. The global table is only ever written as
+# the global value of `_GLOBAL_STATE`; this thread's active pushes are only
+# ever the thread-local value of `_PUSHED_STATE`. Both values are hashable
+# snapshots.
+_GLOBAL_STATE = jax.make_user_context(default_value=frozenset())
+_PUSHED_STATE = jax.make_user_context(default_value=())
+
+
 class _Registry:
   """Global entries plus a per-thread stack of pushed entries."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._global: dict[Key, policy_lib.Policy] = {}
+    self._global: dict[Any, policy_lib.Policy] = {}
     self._local = threading.local()
 
-  def _pushed(self) -> list[tuple[Key, Optional[policy_lib.Policy]]]:
+  def _pushed(self) -> list[_Push]:
     pushed = getattr(self._local, "pushed", None)
     if pushed is None:
       pushed = self._local.pushed = []
     return pushed
 
+  def _publish_global(self) -> None:
+    # Called with the lock held, so the published value is the table's.
+    _GLOBAL_STATE.set_global(frozenset(self._global.items()))
+
+  def _publish_pushed(self) -> None:
+    value = tuple((p.key, p.policy) for p in self._pushed()
+                  if p.policy is not None)
+    # Entering sets this thread's value; it is replaced, never exited, at
+    # the next change of this thread's pushes.
+    _PUSHED_STATE(value).__enter__()
+
   def set(self, key: Key, policy: policy_lib.Policy) -> None:
     with self._lock:
-      self._global[key] = policy
+      self._global[_table_key(key)] = policy
+      self._publish_global()
 
   def clear(self, key: Key) -> None:
+    key = _table_key(key)
     with self._lock:
       self._global.pop(key, None)
-    # A push of the same key in this thread would still shadow the global
-    # entry; mark it cleared so `clear_policy` means what it says.
-    pushed = self._pushed()
-    for i, (k, _) in enumerate(pushed):
-      if k == key:
-        pushed[i] = (k, None)
+      self._publish_global()
+    cancelled = False
+    for push in self._pushed():
+      if push.key == key and push.policy is not None:
+        push.policy = None
+        cancelled = True
+    if cancelled:
+      self._publish_pushed()
 
   def clear_all(self) -> None:
     with self._lock:
       self._global.clear()
-    self._local.pushed = []
+      self._publish_global()
+    for push in self._pushed():
+      push.policy = None
+    self._publish_pushed()
 
-  def push(self, key: Key, policy: policy_lib.Policy) -> object:
-    entry = (key, policy)
-    self._pushed().append(entry)
-    return entry
+  def push(self, key: Key, policy: policy_lib.Policy) -> _Push:
+    token = _Push(_table_key(key), policy)
+    self._pushed().append(token)
+    self._publish_pushed()
+    return token
 
-  def pop(self, token: object) -> None:
+  def pop(self, token: _Push) -> None:
     pushed = self._pushed()
     for i in range(len(pushed) - 1, -1, -1):
       if pushed[i] is token:
         del pushed[i]
-        return
+        break
+    self._publish_pushed()
 
-  def snapshot(self) -> dict[Key, policy_lib.Policy]:
-    """The entries in force for this thread: global, then pushes on top."""
+  def snapshot(self) -> dict[Any, policy_lib.Policy]:
+    """The entries in force for this thread: global, then pushes on top.
+
+    Classes appear under their table keys (see `_table_key`).
+    """
     with self._lock:
       table = dict(self._global)
-    for key, policy in self._pushed():
-      if policy is None:
-        table.pop(key, None)
-      else:
-        table[key] = policy
+    for push in self._pushed():
+      if push.policy is not None:
+        table[push.key] = push.policy
     return table
 
 
@@ -150,7 +225,9 @@ def set_policy(key: Key, policy: PolicyLike) -> None:
 
   Args:
     key: a Haiku module class (the policy covers its subclasses too;
-      ``hk.Module`` sets the default for everything) or a name pattern over
+      ``hk.Module`` sets the default for everything; classes are keyed by
+      module and qualified name, so a policy outlives an `importlib.reload`
+      of their module) or a name pattern over
       full Haiku module names (``"encoder"``, ``"encoder/~/mlp/~/linear_1"``,
       ``"*/attention"``; `fnmatch` wildcards) which in plain JAX code is
       matched against `jax.named_scope` paths.
@@ -176,11 +253,17 @@ def policy_for(key: Key) -> Optional[policy_lib.Policy]:
   See also: `explain_policy` for what actually governs a module.
   """
   key = _check_key(key)
-  return _REGISTRY.snapshot().get(key)
+  return _REGISTRY.snapshot().get(_table_key(key))
 
 
 def clear_policy(key: Key) -> None:
   """Removes the policy for exactly this key; a missing key is no error.
+
+  It removes the global entry (for every thread) and cancels this thread's
+  active `push_policy` blocks for the key: until they exit, the key has no
+  policy in this thread, and a later `set_policy` of it takes effect at
+  once. When a cancelled block exits it restores nothing. Other threads'
+  pushes are theirs and stay.
 
   >>> import haiku as hk, mpolicy
   >>> mpolicy.set_policy(hk.Linear, "half")
@@ -194,7 +277,10 @@ def clear_policy(key: Key) -> None:
 
 
 def clear_policies() -> None:
-  """Removes every policy (global entries and this thread's pushes).
+  """Removes every policy: the global entries and this thread's pushes.
+
+  As with `clear_policy`, this thread's active `push_policy` blocks are
+  cancelled (they restore nothing on exit); other threads' pushes stay.
 
   >>> import mpolicy
   >>> mpolicy.clear_policies()
@@ -209,7 +295,9 @@ def push_policy(key: Key, policy: PolicyLike) -> Iterator[None]:
   """Sets a policy for this thread while the context is active.
 
   What was there before (set or pushed) is restored on exit, even on error.
-  Other threads do not see the push.
+  Other threads do not see the push. While the block is active the push
+  shadows a `set_policy` of the same key; `clear_policy` of the key cancels
+  the push.
 
   >>> import haiku as hk, mpolicy
   >>> with mpolicy.push_policy(hk.Linear, "p=f32,c=bf16,o=f32"):
@@ -252,7 +340,7 @@ def _class_entry(cls: type, table: dict[Key, policy_lib.Policy]
   for base in cls.__mro__:
     if base is hk.Module:
       return None
-    if base in table:
+    if _table_key(base) in table:
       return base
   return None
 
@@ -288,7 +376,7 @@ def region_for_module(name: str, cls: type,
     return region(table[patterns[0]], f"pattern {patterns[0]!r}")
   entry = _class_entry(cls, table)
   if entry is not None:
-    return region(table[entry], f"class {key_name(entry)}")
+    return region(table[_table_key(entry)], f"class {key_name(entry)}")
   if enclosing is not None:
     if enclosing.full_precision:
       return None
@@ -296,8 +384,8 @@ def region_for_module(name: str, cls: type,
       source = enclosing.module_name or enclosing.decided_by
       return region(enclosing.policy, f"inherited from {source}",
                     inherited=True)
-  if hk.Module in table:
-    return region(table[hk.Module], "default hk.Module")
+  if _MODULE_KEY in table:
+    return region(table[_MODULE_KEY], "default hk.Module")
   return None
 
 
@@ -308,7 +396,7 @@ def region_for_scopes(names: tuple[str, ...],
 
   Markers written by the Haiku bridge or `full_precision()` set the region
   directly. Any other scope extends a path, and a registered pattern that
-  matches the path governs what is inside (API §3 rule 3). The innermost
+  matches the path governs what is inside (rule 3). The innermost
   decision wins; ``outer`` is what governs outside all the scopes.
   """
   table = _REGISTRY.snapshot()
@@ -408,7 +496,7 @@ def explain_policy(module_name_or_class: Union[str, type],
   entry = _class_entry(cls, table) if cls is not None else None
   if entry is not None:
     candidates.append(key_name(entry))
-  if hk.Module in table:
+  if _MODULE_KEY in table:
     candidates.append("hk.Module")
   if patterns:
     key, rule, why = patterns[0], 1, (
@@ -417,7 +505,7 @@ def explain_policy(module_name_or_class: Union[str, type],
   elif entry is not None:
     key, rule, why = entry, 2, (
         f"class {key_name(entry)} (rule 2: nearest class in the MRO)")
-  elif hk.Module in table:
+  elif _MODULE_KEY in table:
     key, rule, why = hk.Module, 4, (
         "default hk.Module (rule 4), unless an enclosing module call or "
         "named scope has a policy (rule 3)")
@@ -427,7 +515,7 @@ def explain_policy(module_name_or_class: Union[str, type],
         reason=(f"{subject}: no entry matches; it inherits the policy of an "
                 "enclosing module call or named scope if there is one "
                 "(rule 3), otherwise it runs as written (rule 5)."))
-  policy = table[key]
+  policy = table[_table_key(key)]
   return PolicyExplanation(
       policy=policy, key=key, rule=rule, candidates=tuple(candidates),
       reason=f"{subject}: {policy} from {why}.")
@@ -436,6 +524,6 @@ def explain_policy(module_name_or_class: Union[str, type],
 def state_key() -> frozenset:
   """A hashable snapshot of the entries in force for this thread.
 
-  Compiled programs keyed on it are retraced when the registry changes.
+  Classes appear under their table keys (module and qualified name).
   """
   return frozenset(_REGISTRY.snapshot().items())
