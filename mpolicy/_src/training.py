@@ -179,6 +179,7 @@ def scaled_value_and_grad(
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
     attribute_overflow: bool = False,
+    max_retries: int = 0,
 ) -> Callable[..., tuple[Any, ...]]:
   """Loss-scaled `jax.value_and_grad`, with the finiteness check and adjustment.
 
@@ -215,6 +216,23 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
+  Redo on overflow: with `max_retries=N > 0`, when the gradients are not
+  finite the scale backs off (`loss_scale.adjust(False)`) and the forward
+  and backward run again, inside the same traced call (a `lax.while_loop`
+  that runs only while the gradients are not finite), up to N times. The
+  returned flag and grads are those of the last attempt and the returned
+  loss scale is that attempt's scale adjusted by its flag: after a
+  success on retry k the scale is `factor ** k` lower (counter 1); if all
+  N + 1 attempts overflow, it is `factor ** (N + 1)` lower and the flag is
+  False, so skip the update as usual. `value` is the first attempt's (the
+  forward does not depend on the scale). Retrying stops early once the scale
+  cannot go lower (`min_loss_scale`); a loss scale without array leaves
+  (`NoOpLossScale`, `StaticLossScale`) can never go lower, so for those
+  `max_retries` has no effect. The retries all-reduce their flags like the
+  first attempt, so every device loops the same number of times. The
+  compiled program holds the backward twice (once in the loop) and, on GPU,
+  reads the loop's condition back to the host once per step.
+
   Args:
     fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
     argnums: which positional arguments of `fun` to differentiate, as in
@@ -229,6 +247,10 @@ def scaled_value_and_grad(
       leaf's own dtype. float32 avoids losing tiny unscaled float16 grads to
       underflow when params themselves are float16 (see `master_weights`).
     attribute_overflow: also return per-leaf non-finite flags.
+    max_retries: on a non-finite step, back the scale off
+      (`loss_scale.adjust(False)`) and recompute the gradients in the same
+      call, up to this many times (see "Redo on overflow" above). 0 (the
+      default) computes once.
 
   Returns:
     A function `g(loss_scale, *args, **kwargs)` as described above.
@@ -250,6 +272,15 @@ def scaled_value_and_grad(
   `DynamicLossScale`.
   """
 
+  if (isinstance(max_retries, (bool, np.bool_))
+      or not isinstance(max_retries, (int, np.integer)) or max_retries < 0):
+    error = ValueError if isinstance(max_retries, (int, np.integer)) else TypeError
+    raise error(
+        "scaled_value_and_grad: max_retries must be a non-negative int (how "
+        "many times to back off and recompute a non-finite gradient in the "
+        f"same call; 0 for never), got {max_retries!r}.")
+  max_retries = int(max_retries)
+
   def scaled_fun(loss_scale, *args, **kwargs):
     out = fun(*args, **kwargs)
     if has_aux:
@@ -265,10 +296,11 @@ def scaled_value_and_grad(
     # it may overflow (e.g. a float16 loss of 8 times 2**15) harmlessly.
     return loss_scale.scale(loss), (loss, aux)
 
-  def g(loss_scale: LossScale, *args, **kwargs):
-    _check_differentiable(args, argnums)
-    nums = (argnums + 1 if isinstance(argnums, int)
-            else tuple(i + 1 for i in argnums))
+  nums = (argnums + 1 if isinstance(argnums, int)
+          else tuple(i + 1 for i in argnums))
+
+  def attempt(loss_scale, *args, **kwargs):
+    """One scaled forward and backward: `(grads, grads_finite, loss, aux)`."""
     grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
     (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
 
@@ -285,6 +317,36 @@ def scaled_value_and_grad(
     grads_finite = loss_scale_lib.all_finite(grads)
     if axis_name is not None:
       grads_finite = _all_reduce_finite(grads_finite, axis_name)
+    return grads, grads_finite, loss, aux
+
+  def retry(loss_scale, grads, grads_finite, args, kwargs):
+    """Backs off and recomputes while not finite, at most `max_retries` times."""
+
+    def lowers(ls):
+      return jnp.all(ls.adjust(jnp.bool_(False)).loss_scale < ls.loss_scale)
+
+    def cond(carry):
+      ls, _, finite, tries = carry
+      return ~finite & (tries < max_retries) & lowers(ls)
+
+    def body(carry):
+      ls, _, _, tries = carry
+      ls = ls.adjust(jnp.bool_(False))
+      grads, finite, _, _ = attempt(ls, *args, **kwargs)
+      return ls, grads, finite, tries + 1
+
+    loss_scale, grads, grads_finite, _ = lax.while_loop(
+        cond, body, (loss_scale, grads, grads_finite, jnp.zeros([], jnp.int32)))
+    return loss_scale, grads, grads_finite
+
+  def g(loss_scale: LossScale, *args, **kwargs):
+    _check_differentiable(args, argnums)
+    grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
+    # A loss scale without array leaves (NoOp, Static) cannot back off inside
+    # a traced call: a retry would recompute the very same overflow.
+    if max_retries and jax.tree_util.tree_leaves(loss_scale):
+      loss_scale, grads, grads_finite = retry(
+          loss_scale, grads, grads_finite, args, kwargs)
     new_loss_scale = loss_scale.adjust(grads_finite)
 
     value = (loss, aux) if has_aux else loss
