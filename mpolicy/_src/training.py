@@ -274,7 +274,8 @@ def scaled_value_and_grad(
 
   if (isinstance(max_retries, (bool, np.bool_))
       or not isinstance(max_retries, (int, np.integer)) or max_retries < 0):
-    error = ValueError if isinstance(max_retries, (int, np.integer)) else TypeError
+    error = (TypeError if isinstance(max_retries, (bool, np.bool_))
+             or not isinstance(max_retries, (int, np.integer)) else ValueError)
     raise error(
         "scaled_value_and_grad: max_retries must be a non-negative int (how "
         "many times to back off and recompute a non-finite gradient in the "
