@@ -32,7 +32,8 @@ _BIG_SCALES = {
     "static_int32": lambda: StaticLossScale(jnp.int32(2 ** 20)),
     "dynamic_python_float": lambda: DynamicLossScale(2. ** 17),
     "dynamic_f32": lambda: DynamicLossScale(jnp.float32(2. ** 20)),
-    "dynamic_int32": lambda: _quiet(lambda: DynamicLossScale(jnp.int32(2 ** 20))),
+    "dynamic_int32": lambda: _quiet(
+        lambda: DynamicLossScale(jnp.int32(2 ** 20))),
 }
 
 
@@ -40,7 +41,7 @@ def _value(ls):
   return float(np.asarray(ls.loss_scale))
 
 
-# --- A: scale arithmetic that cannot overflow -----------------------------------
+# --- A: scale arithmetic that cannot overflow ---------------------------------
 
 
 @pytest.mark.parametrize("make", _BIG_SCALES.values(), ids=_BIG_SCALES.keys())
@@ -109,7 +110,7 @@ def test_scaled_float16_grads_recover_under_jit_with_a_huge_scale():
   np.testing.assert_allclose(out, 1e-3, rtol=1e-3)
 
 
-# --- B: values are validated at construction ------------------------------------
+# --- B: values are validated at construction ----------------------------------
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan, 0., -1., 0,
@@ -243,7 +244,7 @@ def test_numpy_numbers_are_accepted_as_plain_metadata():
   assert _value(ls) == 32.
 
 
-# --- Validation leaves JAX's own machinery alone --------------------------------
+# --- Validation leaves JAX's own machinery alone ------------------------------
 
 
 def test_construction_from_tracers_under_jit_is_not_validated():

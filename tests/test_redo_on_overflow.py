@@ -45,7 +45,7 @@ def _primitives(fn, *args):
   return [e.primitive.name for e in walk_eqns(jax.make_jaxpr(fn)(*args))]
 
 
-# --- The retry itself --------------------------------------------------------------
+# --- The retry itself ---------------------------------------------------------
 
 
 def test_without_retries_the_overflow_is_only_reported():

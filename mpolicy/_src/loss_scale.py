@@ -3,7 +3,10 @@
 Three immutable loss scales with one interface (`loss_scale`, `scale`,
 `unscale`, `adjust`), each a pytree, plus `all_finite` and `select_tree`.
 Compatible with jmp; fixes jmp's dropped `min_loss_scale`, its crash on
-half or integer scales, and its dtype-promoting `unscale`.
+half or integer scales, and its dtype-promoting `unscale`. Scaling runs in
+float32 or wider, so a scale that a float16 cannot hold still unscales
+float16 gradients; constructors reject values that would silently lose
+gradients (zero, negative, inf or nan scales, a floor above the scale).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _unscale(tree: T, loss_scale: Any, who: str) -> T:
   return _apply_scale(tree, loss_scale, lambda x, s: x / s, who)
 
 
-# --- Validation of concrete values ---------------------------------------------
+# --- Validation of concrete values --------------------------------------------
 # Only the public constructors validate, and only concrete values: tracers
 # (a loss scale built inside `jit`) pass unchecked, and unflattening never
 # goes through here, so JAX's placeholders (None, object()) pass too.

@@ -4,7 +4,8 @@ Small pieces that compose:
 
 * `scaled_value_and_grad`: one call for scale -> grad -> unscale ->
   finiteness check (all-reduced across devices when given an `axis_name`)
-  -> loss scale adjustment.
+  -> loss scale adjustment, optionally redoing an overflowing step at a
+  lower scale (`max_retries`).
 * `skip_nonfinite`: an optax transformation that leaves the inner optimizer
   state exactly as it was and returns updates that leave params exactly as
   they were, when gradients are not finite. `update_if_finite` does the same
@@ -219,19 +220,22 @@ def scaled_value_and_grad(
   Redo on overflow: with `max_retries=N > 0`, when the gradients are not
   finite the scale backs off (`loss_scale.adjust(False)`) and the forward
   and backward run again, inside the same traced call (a `lax.while_loop`
-  that runs only while the gradients are not finite), up to N times. The
-  returned flag and grads are those of the last attempt and the returned
-  loss scale is that attempt's scale adjusted by its flag: after a
-  success on retry k the scale is `factor ** k` lower (counter 1); if all
-  N + 1 attempts overflow, it is `factor ** (N + 1)` lower and the flag is
-  False, so skip the update as usual. `value` is the first attempt's (the
-  forward does not depend on the scale). Retrying stops early once the scale
-  cannot go lower (`min_loss_scale`); a loss scale without array leaves
-  (`NoOpLossScale`, `StaticLossScale`) can never go lower, so for those
-  `max_retries` has no effect. The retries all-reduce their flags like the
-  first attempt, so every device loops the same number of times. The
-  compiled program holds the backward twice (once in the loop) and, on GPU,
-  reads the loop's condition back to the host once per step.
+  entered after the first attempt, whose body runs only while the
+  gradients are not finite), up to N times. The returned flag and grads are
+  those of the last attempt and the returned loss scale is that attempt's
+  scale adjusted by its flag: after a success on retry k the scale is
+  `factor ** k` lower and counts one finite step; if all N + 1 attempts
+  overflow, it is `factor ** (N + 1)` lower and the flag is False, so skip
+  the update as usual. `value` (with `aux`) is the first attempt's: the
+  forward does not depend on the scale. Retrying stops early once the
+  scale cannot go lower (`min_loss_scale`); a loss scale without array
+  leaves (`NoOpLossScale`, `StaticLossScale`) can never go lower, so for
+  those `max_retries` has no effect. Retries all-reduce their flags like
+  the first attempt, so every device loops the same number of times. The
+  price on a finite step: on GPU the host reads the loop's condition
+  back, a sync that is visible on fast steps, and the compiled program
+  holds the backward twice (longer compiles). Use it when overflows are
+  frequent enough that skipped steps cost more.
 
   Args:
     fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
@@ -255,10 +259,11 @@ def scaled_value_and_grad(
   Returns:
     A function `g(loss_scale, *args, **kwargs)` as described above.
 
-  Raises (when `g` is called or traced):
-    TypeError: if `fun` returns a non-scalar or non-floating loss, or if a
-      leaf of a differentiated argument is not floating point (the message
-      names each offending leaf).
+  Raises:
+    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+      or non-floating loss, or if a leaf of a differentiated argument is not
+      floating point (the message names each offending leaf).
 
   >>> import jax.numpy as jnp, mpolicy
   >>> loss_fn = lambda w, x: jnp.sum((w * x) ** 2)
@@ -321,7 +326,7 @@ def scaled_value_and_grad(
     return grads, grads_finite, loss, aux
 
   def retry(loss_scale, grads, grads_finite, args, kwargs):
-    """Backs off and recomputes while not finite, at most `max_retries` times."""
+    """Backs off and recomputes while not finite, up to `max_retries` times."""
 
     def lowers(ls):
       return jnp.all(ls.adjust(jnp.bool_(False)).loss_scale < ls.loss_scale)
