@@ -3,7 +3,10 @@
 Three immutable loss scales with one interface (`loss_scale`, `scale`,
 `unscale`, `adjust`), each a pytree, plus `all_finite` and `select_tree`.
 Compatible with jmp; fixes jmp's dropped `min_loss_scale`, its crash on
-half or integer scales, and its dtype-promoting `unscale`.
+half or integer scales, and its dtype-promoting `unscale`. Scaling runs in
+float32 or wider, so a scale that a float16 cannot hold still unscales
+float16 gradients; constructors reject values that would silently lose
+gradients (zero, negative, inf or nan scales, a floor above the scale).
 """
 
 from __future__ import annotations
@@ -29,25 +32,135 @@ def _is_floating_leaf(x: Any) -> bool:
   return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _map_floating(fn, tree: T) -> T:
-  """Applies `fn` to floating leaves, keeping each array leaf's dtype."""
+def _scale_dtype(loss_scale: Any) -> Any:
+  """The dtype a loss scale's own value calls for: its float dtype, or f32."""
+  dtype = getattr(loss_scale, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return jnp.float32
+  return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _apply_scale(tree: T, loss_scale: Any, op, who: str) -> T:
+  """`op(leaf, loss_scale)` on the floating leaves, each back in its dtype.
+
+  The arithmetic runs in float32 (or wider, if the leaf or the scale is):
+  a scale such as 2 ** 17 does not exist in float16, and dividing a float16
+  gradient by it in float16 would give 0. Only a result that overflows the
+  leaf's own dtype becomes inf.
+  """
+  if np.ndim(loss_scale) != 0:
+    raise ValueError(
+        f"{who}: loss_scale must be a scalar, got shape "
+        f"{tuple(np.shape(loss_scale))}; a non-scalar scale would broadcast "
+        "and change the shape of every leaf. To keep one loss scale per "
+        "device or per model, map over them with `jax.vmap` / `jax.pmap`.")
+  scale_dtype = _scale_dtype(loss_scale)
+  cast_scales = {}
 
   def apply(x):
     if not _is_floating_leaf(x):
       return x
-    y = fn(x)
     dtype = getattr(x, "dtype", None)
+    if dtype is None and not hasattr(loss_scale, "dtype"):
+      return op(x, loss_scale)  # Python numbers: exact enough, no overflow.
+    work = jnp.promote_types(jnp.float32, scale_dtype)
+    if dtype is not None:
+      work = jnp.promote_types(work, jax.dtypes.canonicalize_dtype(dtype))
+    if work not in cast_scales:
+      cast_scales[work] = jnp.asarray(loss_scale).astype(work)
+    y = op(jnp.asarray(x).astype(work), cast_scales[work])
     return y if dtype is None else y.astype(dtype)
 
   return jax.tree_util.tree_map(apply, tree)
 
 
-def _scale(tree: T, loss_scale: Any) -> T:
-  return _map_floating(lambda x: x * loss_scale, tree)
+def _scale(tree: T, loss_scale: Any, who: str) -> T:
+  return _apply_scale(tree, loss_scale, lambda x, s: x * s, who)
 
 
-def _unscale(tree: T, loss_scale: Any) -> T:
-  return _map_floating(lambda x: x / loss_scale, tree)
+def _unscale(tree: T, loss_scale: Any, who: str) -> T:
+  return _apply_scale(tree, loss_scale, lambda x, s: x / s, who)
+
+
+# --- Validation of concrete values --------------------------------------------
+# Only the public constructors validate, and only concrete values: tracers
+# (a loss scale built inside `jit`) pass unchecked, and unflattening never
+# goes through here, so JAX's placeholders (None, object()) pass too.
+
+_NUMBER_HINT = ("a positive, finite real number (a Python float or int, or a "
+                "scalar array of a floating or integer dtype)")
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+  """`x` as a numpy array, or None if it is a tracer (not known yet)."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  try:
+    return np.asarray(x)
+  except (jax.errors.ConcretizationTypeError,
+          jax.errors.TracerArrayConversionError):
+    return None
+
+
+def _check_positive_number(cls: str, name: str, x: Any,
+                           scalar: bool = True) -> np.ndarray | None:
+  """Checks a loss scale or floor; returns its concrete value (or None)."""
+  if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)):
+    raise TypeError(f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r} "
+                    f"({type(x).__name__}).")
+  a = _concrete(x)
+  if a is None:
+    return None
+  if not (jnp.issubdtype(a.dtype, jnp.floating)
+          or jnp.issubdtype(a.dtype, jnp.integer)):
+    raise TypeError(f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r} "
+                    f"(dtype {a.dtype}).")
+  if scalar and a.ndim != 0:
+    raise ValueError(f"{cls}: {name} must be a scalar, got shape {a.shape}; "
+                     "a non-scalar scale would broadcast and change the "
+                     "shape of every leaf it scales.")
+  with np.errstate(invalid="ignore"):
+    ok = np.all(np.isfinite(a.astype(np.float64)) & (a > 0))
+  if not ok:
+    raise ValueError(
+        f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r}. Zero or negative "
+        "scales flip or erase the gradients, and an inf or nan scale never "
+        "recovers" + ("; 1.0 is the usual floor." if name == "min_loss_scale"
+                      else "; 2. ** 15 is a usual start."))
+  return a
+
+
+def _check_period(period: Any) -> int:
+  if isinstance(period, (bool, np.bool_)) or not isinstance(
+      period, (int, np.integer)):
+    raise TypeError(
+        "DynamicLossScale: period must be a positive int (the number of "
+        f"finite steps before the scale grows), got {period!r} "
+        f"({type(period).__name__}).")
+  if period < 1:
+    raise ValueError("DynamicLossScale: period must be a positive int (the "
+                     "number of finite steps before the scale grows), got "
+                     f"{period}.")
+  return int(period)
+
+
+def _check_factor(factor: Any) -> int | float:
+  bad_type = (isinstance(factor, (bool, np.bool_, str, bytes))
+              or _concrete(factor) is None)
+  a = None if bad_type else _concrete(factor)
+  if bad_type or a.ndim != 0 or not (
+      jnp.issubdtype(a.dtype, jnp.floating)
+      or jnp.issubdtype(a.dtype, jnp.integer)):
+    raise TypeError(
+        "DynamicLossScale: factor must be a finite real number > 1 (what the "
+        f"scale is multiplied and divided by, e.g. 2), got {factor!r} "
+        f"({type(factor).__name__}).")
+  if not (np.isfinite(a.astype(np.float64)) and a > 1):
+    raise ValueError(
+        "DynamicLossScale: factor must be a finite real number > 1 (what the "
+        f"scale is multiplied and divided by, e.g. 2), got {factor!r}; with "
+        "a factor <= 1 an overflow would never lower the scale.")
+  return a.item()
 
 
 def _require_scalar_bool(pred: Any, name: str) -> jax.Array:
@@ -117,6 +230,12 @@ class StaticLossScale:
   retraces when it changes. `scale` and `unscale` multiply/divide the
   floating leaves (arrays, numpy scalars, Python floats) and return arrays
   in each leaf's own dtype; integer and other leaves pass through unchanged.
+  The arithmetic runs in float32 (or wider), so a scale beyond the leaf
+  dtype's range (2 ** 17 for float16) still unscales float16 gradients
+  correctly; only a true overflow of the leaf's dtype gives inf.
+
+  `loss_scale` must be a positive, finite scalar (a Python number or a
+  scalar array); anything else raises `TypeError` or `ValueError` naming it.
 
   >>> import jax.numpy as jnp
   >>> StaticLossScale(128.).unscale({"g": jnp.full(2, 256., jnp.bfloat16)})["g"]
@@ -126,13 +245,16 @@ class StaticLossScale:
   """
   loss_scale: Any
 
+  def __post_init__(self):
+    _check_positive_number("StaticLossScale", "loss_scale", self.loss_scale)
+
   def scale(self, tree: T) -> T:
     """Multiplies the floating leaves of `tree` by `loss_scale`."""
-    return _scale(tree, self.loss_scale)
+    return _scale(tree, self.loss_scale, "StaticLossScale.scale")
 
   def unscale(self, tree: T) -> T:
     """Divides the floating leaves of `tree` by `loss_scale`."""
-    return _unscale(tree, self.loss_scale)
+    return _unscale(tree, self.loss_scale, "StaticLossScale.unscale")
 
   def adjust(self, grads_finite: Any) -> StaticLossScale:
     """Returns `self`: a static scale never changes."""
@@ -150,21 +272,27 @@ def _strong_array(x: Any, default_dtype: Any) -> jax.Array:
   return x
 
 
-def _static_number(x: Any, name: str) -> Any:
-  if isinstance(x, (int, float, np.generic)):
-    return x
-  try:
-    return np.asarray(x)[()]
-  except Exception as e:
-    raise TypeError(f"DynamicLossScale.{name} is static pytree metadata and "
-                    f"must be a concrete number, got {x!r}.") from e
-
-
 def _warn_if_not_floating(x: Any, name: str) -> None:
   dtype = getattr(x, "dtype", None)
   if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
     warnings.warn(f"Expected floating type for {name}, got {dtype}; it works, "
                   "but backing off rounds down to whole numbers.", stacklevel=3)
+
+
+def _check_counter(counter: Any) -> None:
+  if isinstance(counter, (bool, np.bool_)):
+    raise TypeError("DynamicLossScale: counter must be a non-negative int, "
+                    f"got {counter!r}.")
+  a = _concrete(counter)
+  if a is None:
+    return
+  if not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError("DynamicLossScale: counter must be a non-negative int "
+                    f"(finite steps since the last change), got {counter!r} "
+                    f"(dtype {a.dtype}).")
+  if np.any(a < 0):
+    raise ValueError("DynamicLossScale: counter must be a non-negative int "
+                     f"(finite steps since the last change), got {counter!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +302,8 @@ class DynamicLossScale:
   `adjust(grads_finite)` returns the next scale: after `period` consecutive
   finite steps the scale is multiplied by `factor`, unless that would
   overflow the scale's dtype (then it stays); on a non-finite step it is
-  divided by `factor` but never goes below `min_loss_scale`, and the count
+  divided by `factor` but never goes below `min_loss_scale` (and never
+  rises: a scale already below the floor stays where it is), and the count
   restarts. As in jmp, `counter` counts finite steps since the last change,
   and the growth happens on the step where it would reach `period`.
 
@@ -184,8 +313,17 @@ class DynamicLossScale:
   `period`, `factor` and `min_loss_scale` are static metadata that survive
   flattening (jmp loses `min_loss_scale` there). The scale may be any float
   dtype (float16, bfloat16, ...) or an integer dtype (with a warning, as in
-  jmp). `scale` and `unscale` return floating leaves in their own dtype and
-  pass integer and other leaves through unchanged.
+  jmp). `scale` and `unscale` compute in float32 (or wider) and return
+  floating leaves in their own dtype, so a scale such as 2 ** 20 unscales
+  float16 gradients correctly; integer and other leaves pass through.
+
+  The constructor checks concrete values (tracers pass unchecked):
+  `loss_scale` and `min_loss_scale` positive and finite, with
+  `min_loss_scale <= loss_scale` (and `>= 1` for an integer scale);
+  `period` a positive int; `factor` a finite number > 1; `counter` a
+  non-negative int. `loss_scale` may be a stack of scalars (one per device
+  or model, with `counter` alike) to `vmap` or `pmap` over; `scale` and
+  `unscale` need a scalar one.
 
   >>> import jax.numpy as jnp
   >>> ls = DynamicLossScale(2. ** 15, period=2)
@@ -206,19 +344,37 @@ class DynamicLossScale:
   def __post_init__(self):
     # Only the public constructor validates; unflattening bypasses it, so
     # placeholders (None, object(), tracers) from JAX pass through untouched.
+    cls = "DynamicLossScale"
+    scale = _check_positive_number(cls, "loss_scale", self.loss_scale,
+                                   scalar=False)
+    _check_counter(self.counter)
+    if _concrete(self.min_loss_scale) is None:
+      raise TypeError(f"{cls}: min_loss_scale is static pytree metadata and "
+                      "must be a concrete number, got a traced value.")
+    floor = _check_positive_number(cls, "min_loss_scale", self.min_loss_scale)
+    period = _check_period(self.period)
+    factor = _check_factor(self.factor)
+    if scale is not None and np.any(scale < floor):
+      raise ValueError(
+          f"{cls}: min_loss_scale ({self.min_loss_scale!r}) must not exceed "
+          f"loss_scale ({self.loss_scale!r}): it is the floor the scale backs "
+          "off to. Lower min_loss_scale or start from a larger loss_scale.")
+    dtype = getattr(self.loss_scale, "dtype", None)
+    if (dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+        and floor < 1):
+      raise ValueError(
+          f"{cls}: with an integer loss_scale ({dtype}), min_loss_scale must "
+          f"be >= 1, got {self.min_loss_scale!r}: backing off rounds down, "
+          "and a scale of 0 would make unscaled gradients inf.")
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
     set_ = functools.partial(object.__setattr__, self)
     set_("loss_scale", _strong_array(self.loss_scale, jnp.float32))
     set_("counter", _strong_array(self.counter, jnp.int32))
-    set_("period", _static_number(self.period, "period"))
-    set_("factor", _static_number(self.factor, "factor"))
-    set_("min_loss_scale",
-         _static_number(self.min_loss_scale, "min_loss_scale"))
-    if not self.period >= 1:
-      raise ValueError(f"period must be >= 1, got {self.period}.")
-    if not self.factor >= 1:
-      raise ValueError(f"factor must be >= 1, got {self.factor}.")
+    set_("period", period)
+    set_("factor", factor)
+    if not isinstance(self.min_loss_scale, (int, float, np.generic)):
+      set_("min_loss_scale", floor[()])
 
   def tree_flatten(self):
     return ((self.loss_scale, self.counter),
@@ -235,14 +391,17 @@ class DynamicLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies the floating leaves of `tree` by `loss_scale`."""
-    return _scale(tree, self.loss_scale)
+    return _scale(tree, self.loss_scale, "DynamicLossScale.scale")
 
   def unscale(self, tree: T) -> T:
     """Divides the floating leaves of `tree` by `loss_scale`."""
-    return _unscale(tree, self.loss_scale)
+    return _unscale(tree, self.loss_scale, "DynamicLossScale.unscale")
 
   def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """The next loss scale, given whether this step's gradients were finite.
+
+    On a non-finite step the scale never goes up, whatever `min_loss_scale`
+    says.
 
     >>> import jax.numpy as jnp
     >>> ls = DynamicLossScale(jnp.float16(2. ** 15), period=1)
@@ -264,7 +423,7 @@ class DynamicLossScale:
       grown_fits = grown < float(jnp.iinfo(dtype).max) + 1
     grow = self.counter >= self.period - 1
     finite_scale = jnp.where(grow & grown_fits, grown, scale)
-    floor = jnp.asarray(self.min_loss_scale).astype(work)
+    floor = jnp.minimum(jnp.asarray(self.min_loss_scale).astype(work), scale)
     backed_off = jnp.maximum(scale / self.factor, floor)
     loss_scale = jnp.where(grads_finite, finite_scale, backed_off)
 
@@ -277,12 +436,21 @@ class DynamicLossScale:
                                (loss_scale.astype(dtype), counter))
 
 
+def _static_flatten(ls: StaticLossScale):
+  return (), _StaticValue(ls.loss_scale)
+
+
+def _static_unflatten(aux: _StaticValue, children) -> StaticLossScale:
+  del children
+  obj = object.__new__(StaticLossScale)  # Checked when first constructed.
+  object.__setattr__(obj, "loss_scale", aux.value)
+  return obj
+
+
 jax.tree_util.register_pytree_node(
     NoOpLossScale, lambda ls: ((), None), lambda aux, children: NoOpLossScale())
 jax.tree_util.register_pytree_node(
-    StaticLossScale,
-    lambda ls: ((), _StaticValue(ls.loss_scale)),
-    lambda aux, children: StaticLossScale(aux.value))
+    StaticLossScale, _static_flatten, _static_unflatten)
 jax.tree_util.register_pytree_node_class(DynamicLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -4,7 +4,8 @@ Small pieces that compose:
 
 * `scaled_value_and_grad`: one call for scale -> grad -> unscale ->
   finiteness check (all-reduced across devices when given an `axis_name`)
-  -> loss scale adjustment.
+  -> loss scale adjustment, optionally redoing an overflowing step at a
+  lower scale (`max_retries`).
 * `skip_nonfinite`: an optax transformation that leaves the inner optimizer
   state exactly as it was and returns updates that leave params exactly as
   they were, when gradients are not finite. `update_if_finite` does the same
@@ -179,6 +180,7 @@ def scaled_value_and_grad(
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
     attribute_overflow: bool = False,
+    max_retries: int = 0,
 ) -> Callable[..., tuple[Any, ...]]:
   """Loss-scaled `jax.value_and_grad`, with the finiteness check and adjustment.
 
@@ -215,6 +217,26 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
+  Redo on overflow: with `max_retries=N > 0`, when the gradients are not
+  finite the scale backs off (`loss_scale.adjust(False)`) and the forward
+  and backward run again, inside the same traced call (a `lax.while_loop`
+  entered after the first attempt, whose body runs only while the
+  gradients are not finite), up to N times. The returned flag and grads are
+  those of the last attempt and the returned loss scale is that attempt's
+  scale adjusted by its flag: after a success on retry k the scale is
+  `factor ** k` lower and counts one finite step; if all N + 1 attempts
+  overflow, it is `factor ** (N + 1)` lower and the flag is False, so skip
+  the update as usual. `value` (with `aux`) is the first attempt's: the
+  forward does not depend on the scale. Retrying stops early once the
+  scale cannot go lower (`min_loss_scale`); a loss scale without array
+  leaves (`NoOpLossScale`, `StaticLossScale`) can never go lower, so for
+  those `max_retries` has no effect. Retries all-reduce their flags like
+  the first attempt, so every device loops the same number of times. The
+  price on a finite step: on GPU the host reads the loop's condition
+  back, a sync that is visible on fast steps, and the compiled program
+  holds the backward twice (longer compiles). Use it when overflows are
+  frequent enough that skipped steps cost more.
+
   Args:
     fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
     argnums: which positional arguments of `fun` to differentiate, as in
@@ -229,14 +251,19 @@ def scaled_value_and_grad(
       leaf's own dtype. float32 avoids losing tiny unscaled float16 grads to
       underflow when params themselves are float16 (see `master_weights`).
     attribute_overflow: also return per-leaf non-finite flags.
+    max_retries: on a non-finite step, back the scale off
+      (`loss_scale.adjust(False)`) and recompute the gradients in the same
+      call, up to this many times (see "Redo on overflow" above). 0 (the
+      default) computes once.
 
   Returns:
     A function `g(loss_scale, *args, **kwargs)` as described above.
 
-  Raises (when `g` is called or traced):
-    TypeError: if `fun` returns a non-scalar or non-floating loss, or if a
-      leaf of a differentiated argument is not floating point (the message
-      names each offending leaf).
+  Raises:
+    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+      or non-floating loss, or if a leaf of a differentiated argument is not
+      floating point (the message names each offending leaf).
 
   >>> import jax.numpy as jnp, mpolicy
   >>> loss_fn = lambda w, x: jnp.sum((w * x) ** 2)
@@ -249,6 +276,16 @@ def scaled_value_and_grad(
   See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
   `DynamicLossScale`.
   """
+
+  if (isinstance(max_retries, (bool, np.bool_))
+      or not isinstance(max_retries, (int, np.integer)) or max_retries < 0):
+    error = (TypeError if isinstance(max_retries, (bool, np.bool_))
+             or not isinstance(max_retries, (int, np.integer)) else ValueError)
+    raise error(
+        "scaled_value_and_grad: max_retries must be a non-negative int (how "
+        "many times to back off and recompute a non-finite gradient in the "
+        f"same call; 0 for never), got {max_retries!r}.")
+  max_retries = int(max_retries)
 
   def scaled_fun(loss_scale, *args, **kwargs):
     out = fun(*args, **kwargs)
@@ -265,10 +302,11 @@ def scaled_value_and_grad(
     # it may overflow (e.g. a float16 loss of 8 times 2**15) harmlessly.
     return loss_scale.scale(loss), (loss, aux)
 
-  def g(loss_scale: LossScale, *args, **kwargs):
-    _check_differentiable(args, argnums)
-    nums = (argnums + 1 if isinstance(argnums, int)
-            else tuple(i + 1 for i in argnums))
+  nums = (argnums + 1 if isinstance(argnums, int)
+          else tuple(i + 1 for i in argnums))
+
+  def attempt(loss_scale, *args, **kwargs):
+    """One scaled forward and backward: `(grads, grads_finite, loss, aux)`."""
     grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
     (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
 
@@ -285,6 +323,36 @@ def scaled_value_and_grad(
     grads_finite = loss_scale_lib.all_finite(grads)
     if axis_name is not None:
       grads_finite = _all_reduce_finite(grads_finite, axis_name)
+    return grads, grads_finite, loss, aux
+
+  def retry(loss_scale, grads, grads_finite, args, kwargs):
+    """Backs off and recomputes while not finite, up to `max_retries` times."""
+
+    def lowers(ls):
+      return jnp.all(ls.adjust(jnp.bool_(False)).loss_scale < ls.loss_scale)
+
+    def cond(carry):
+      ls, _, finite, tries = carry
+      return ~finite & (tries < max_retries) & lowers(ls)
+
+    def body(carry):
+      ls, _, _, tries = carry
+      ls = ls.adjust(jnp.bool_(False))
+      grads, finite, _, _ = attempt(ls, *args, **kwargs)
+      return ls, grads, finite, tries + 1
+
+    loss_scale, grads, grads_finite, _ = lax.while_loop(
+        cond, body, (loss_scale, grads, grads_finite, jnp.zeros([], jnp.int32)))
+    return loss_scale, grads, grads_finite
+
+  def g(loss_scale: LossScale, *args, **kwargs):
+    _check_differentiable(args, argnums)
+    grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
+    # A loss scale without array leaves (NoOp, Static) cannot back off inside
+    # a traced call: a retry would recompute the very same overflow.
+    if max_retries and jax.tree_util.tree_leaves(loss_scale):
+      loss_scale, grads, grads_finite = retry(
+          loss_scale, grads, grads_finite, args, kwargs)
     new_loss_scale = loss_scale.adjust(grads_finite)
 
     value = (loss, aux) if has_aux else loss
