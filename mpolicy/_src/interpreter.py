@@ -51,6 +51,14 @@ AMP_ATTRIBUTE = "__mpolicy_amp__"
 # inputs (if any) must keep the dtype they were traced with.
 _AS_TRACED = frozenset({jax_compat.bitcast_convert_type_p})
 
+# Primitives whose result is a re-arrangement of (part of) their first
+# input: a parameter or input reshaped, broadcast, transposed or sliced is
+# still a parameter or input (see `_Env.params`).
+_SHAPE_OPS = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
+    "slice", "dynamic_slice", "gather", "rev", "copy", "copy_p", "device_put",
+    "sharding_constraint"})
+
 # Primitives with a dtype parameter that follows their inputs: when the
 # inputs change dtype, the parameter follows (if it was the input dtype).
 _ACCUMULATING = frozenset({jax_compat.dot_general_p,
@@ -140,14 +148,35 @@ def _is_traced(x) -> bool:
 
 
 class _Env:
-  """Values of one jaxpr's variables, and the casts made of them."""
+  """Values of one jaxpr's variables, and the casts made of them.
+
+  It also knows which values are parameters or inputs: the arrays that
+  entered the `amp` call (arguments, closed-over constants) and reshapes,
+  broadcasts, transposes and slices of them. Where such a value is wider
+  than the governing compute dtype and meets half values in an op without a
+  rule, it is used in the compute dtype (as Haiku's policies cast
+  parameters), so ``x @ w + b`` adds the bias in half.
+  """
 
   def __init__(self):
     self.values: dict[Any, Any] = {}
     self._casts: dict[tuple[int, np.dtype], Any] = {}
     self._wider: dict[int, Any] = {}  # Down-cast value -> its source.
     self._keep: list[Any] = []  # Keeps ids in `_casts` alive.
+    self._params: set[int] = set()  # Ids of parameters and inputs.
+    # Which of the jaxpr's invars are parameters or inputs (``None``: all,
+    # as at the top of an `amp` call).
+    self.arg_params: Optional[Sequence[bool]] = None
     self.inserted = 0
+
+  def mark_param(self, x) -> None:
+    """Records ``x`` as a parameter or input."""
+    if _is_traced(x) and _is_float(_dtype(x)):
+      self._params.add(id(x))
+      self._keep.append(x)
+
+  def is_param(self, x) -> bool:
+    return _is_traced(x) and id(x) in self._params
 
   def read(self, var):
     if isinstance(var, jax_compat.Literal):
@@ -211,10 +240,35 @@ class Scope:
       every equation inside its sub-jaxprs).
   """
 
-  def __init__(self, config: _Config, env: _Env, names: tuple[str, ...]):
+  def __init__(self, config: _Config, env: _Env, names: tuple[str, ...],
+               invals: Sequence[Any] = (), eqn_params=None):
     self._config = config
     self._env = env
     self.names = names
+    self._invals = list(invals)
+    self._eqn_params = eqn_params
+
+  def _arg_params(self, in_avals, eqn_params) -> list[bool]:
+    """Which sub-jaxpr inputs are parameters or inputs of the `amp` call.
+
+    Operands map onto a sub-jaxpr's inputs one to one (`jit`, `checkpoint`,
+    `scan`, `shard_map`, a `custom_jvp` primal), or after the index (`cond`);
+    other layouts (a `while` cond, a JVP rule) get no parameters.
+    """
+    flags = [self._env.is_param(x) for x in self._invals]
+    if len(in_avals) == len(flags):
+      out = flags
+    elif len(in_avals) == len(flags) - 1:
+      out = flags[1:]
+    else:
+      return [False] * len(in_avals)
+    if eqn_params is not None and "num_carry" in eqn_params:
+      # Loop carries change from one iteration to the next.
+      start = eqn_params["num_consts"]
+      out = list(out)
+      out[start:start + eqn_params["num_carry"]] = (
+          [False] * eqn_params["num_carry"])
+    return out
 
   def cast(self, x, dtype):
     """``x`` cast to ``dtype`` (cached) if it is floating, else ``x``."""
@@ -235,9 +289,11 @@ class Scope:
     config = dataclasses.replace(self._config,
                                  quiet=self._config.quiet or quiet)
     names = self.names
+    arg_params = self._arg_params(in_avals, self._eqn_params)
 
     def run(*args):
       env = _Env()
+      env.arg_params = arg_params
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if _is_float(_dtype(a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -259,13 +315,20 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
   base = jax_compat.current_name_stack()
   env.values.update(zip(jaxpr.constvars, consts))
   env.values.update(zip(jaxpr.invars, args))
+  for x in consts:
+    env.mark_param(x)
+  flags = env.arg_params
+  for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
+    if flag:
+      env.mark_param(env.values[var])
   for eqn in jaxpr.eqns:
     invals = [env.read(v) for v in eqn.invars]
     names = prefix + jax_compat.eqn_scope_names(eqn)
     with jax_compat.eqn_context_under(base, eqn):
       rule = higher_order.rule_for(eqn.primitive)
       if rule is not None:
-        outs = rule(Scope(config, env, names), eqn, invals)
+        outs = rule(Scope(config, env, names, invals, eqn.params), eqn,
+                    invals)
       else:
         region = config.region(names)
         if region is None or not region.full_precision:
@@ -317,19 +380,46 @@ def _unify(env: _Env, eqn, args, target) -> list:
   return [env.cast(a, target) if _is_float(_dtype(a)) else a for a in args]
 
 
-def _array_target(eqn, args) -> Optional[np.dtype]:
-  """The dtype disagreeing floating inputs meet at (literals follow)."""
-  arrays, followers = [], []
+def _widen_params(env: _Env, eqn, args, target) -> list:
+  """Parameters about to be cast down to ``target`` that the op would
+  broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast first, in
+  their own dtype: under grad the sum over the broadcast dims then runs in
+  float32 instead of in half."""
+  if len(eqn.outvars) != 1:
+    return args
+  shape = tuple(eqn.outvars[0].aval.shape)
+  out = []
+  for a in args:
+    if (env.is_param(a) and _dtype(a) != target and np.ndim(a) == len(shape)
+        and tuple(np.shape(a)) != shape):
+      a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
+    out.append(a)
+  return out
+
+
+def _array_target(eqn, args, env: Optional[_Env] = None,
+                  compute=None) -> Optional[np.dtype]:
+  """The dtype disagreeing floating inputs meet at.
+
+  Literals follow the arrays. With a half ``compute`` dtype, parameters and
+  inputs (`_Env.is_param`) wider than it count as ``compute``: they are used
+  in the compute dtype, not the other way round.
+  """
+  arrays, followers, actual = [], [], set()
   for var, a in zip(eqn.invars, args):
     d = _dtype(a)
     if not _is_float(d):
       continue
+    actual.add(np.dtype(d))
     weak = isinstance(var, jax_compat.Literal) or getattr(var.aval, "weak_type",
                                                           False)
+    if (compute is not None and env is not None and env.is_param(a)
+        and np.dtype(d).itemsize > np.dtype(compute).itemsize):
+      d = np.dtype(compute)
     (followers if weak or not _is_traced(a) and np.ndim(a) == 0
      else arrays).append(d)
   pool = arrays or followers
-  if len(set(arrays + followers)) <= 1:
+  if len(actual) <= 1:
     return None
   return _widest(pool)
 
@@ -386,15 +476,29 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       target = _widest(floats) if len(set(floats)) > 1 else None
       rule, why = "promote", f"promote: {config.rules.reason_of(prim.name)}"
     else:
-      target = _array_target(eqn, args)
+      param_compute = None
+      if (rule != "as written" and policy is not None
+          and _is_half(policy.compute_dtype)):
+        param_compute = np.dtype(policy.compute_dtype)
+      target = _array_target(eqn, args, env, param_compute)
+      if param_compute is not None and target == param_compute and any(
+          env.is_param(a) and _dtype(a) != target
+          for a in args if _is_float(_dtype(a))):
+        why = ("parameters and inputs are used in the compute dtype "
+               f"{target.name} (policy from {region.decided_by})")
       if op_class == op_rules_lib.LOWER and rule != "as written":
         why = ("lower op, but no half compute dtype governs: runs as written"
                if policy is None or not _is_half(policy.compute_dtype) else why)
     if target is not None:
+      args = _widen_params(env, eqn, args, target)
       args = _unify(env, eqn, args, target)
     outs, natural = _bind_natural(env, eqn, args)
     if not natural:
       why += " (JAX refused other dtypes: ran as traced)"
+
+  if (prim.name in _SHAPE_OPS and invals and env.is_param(invals[0])
+      and len(outs) == 1):
+    env.mark_param(outs[0])
 
   if _recording.rows is not None and not config.quiet:
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
