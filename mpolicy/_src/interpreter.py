@@ -59,6 +59,21 @@ _SHAPE_OPS = frozenset({
     "slice", "dynamic_slice", "gather", "rev", "copy", "copy_p", "device_put",
     "sharding_constraint"})
 
+# `full` primitives that act element by element. Under a bfloat16 policy
+# they compute in float32 and store their result in bfloat16 (see
+# `_first_order`); reductions, scans and linear algebra keep float32 results.
+_ELEMENTWISE_FULL = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
+    "rsqrt", "sqrt", "cbrt", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "polygamma", "igamma", "igammac", "zeta", "regularized_incomplete_beta",
+    "bessel_i0e", "bessel_i1e", "acos", "asin", "atan", "acosh", "asinh",
+    "atanh", "cosh", "sinh", "tan", "tanh", "logistic", "sin", "cos"})
+
+# Ops whose result has a small relative error whatever their operands'
+# magnitudes (no cancellation): a float32 one storing its result in
+# bfloat16 loses only that one rounding.
+_SCALING = frozenset({"mul", "div"})
+
 # Primitives with a dtype parameter that follows their inputs: when the
 # inputs change dtype, the parameter follows (if it was the input dtype).
 _ACCUMULATING = frozenset({jax_compat.dot_general_p,
@@ -167,6 +182,8 @@ class _Env:
     # Which of the jaxpr's invars are parameters or inputs (``None``: all,
     # as at the top of an `amp` call).
     self.arg_params: Optional[Sequence[bool]] = None
+    # Variables read only by `full` ops (they keep float32 results).
+    self.full_only: set[Any] = set()
     self.inserted = 0
 
   def mark_param(self, x) -> None:
@@ -317,6 +334,7 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
   env.values.update(zip(jaxpr.invars, args))
   for x in consts:
     env.mark_param(x)
+  env.full_only = _read_only_by_full(jaxpr, config.rules)
   flags = env.arg_params
   for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
     if flag:
@@ -338,6 +356,24 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
       if not isinstance(var, jax_compat.DropVar):
         env.values[var] = out
   return [env.read(v) for v in jaxpr.outvars]
+
+
+def _read_only_by_full(jaxpr, rules) -> set:
+  """The variables of ``jaxpr`` read only in float32: by first-order `full`
+  ops or by casts to float32 (as `jnp.sum` of a half array casts)."""
+  readers: dict[Any, bool] = {}
+  for eqn in jaxpr.eqns:
+    full = ((rules.class_of(eqn.primitive.name) == op_rules_lib.FULL
+             and higher_order.rule_for(eqn.primitive) is None)
+            or (eqn.primitive is jax_compat.convert_element_type_p
+                and np.dtype(eqn.params["new_dtype"]) == jnp.float32))
+    for v in eqn.invars:
+      if not isinstance(v, jax_compat.Literal):
+        readers[v] = readers.get(v, True) and full
+  for v in jaxpr.outvars:
+    if not isinstance(v, jax_compat.Literal):
+      readers[v] = False
+  return {v for v, only_full in readers.items() if only_full}
 
 
 def _bind(eqn, args, params=None) -> list:
@@ -378,6 +414,29 @@ def _cast_as_traced(env: _Env, x, dtype):
 
 def _unify(env: _Env, eqn, args, target) -> list:
   return [env.cast(a, target) if _is_float(_dtype(a)) else a for a in args]
+
+
+def _bf16_storage(policy) -> Optional[np.dtype]:
+  """bfloat16 where a bfloat16 policy governs, else ``None``."""
+  if policy is None or np.dtype(policy.compute_dtype) != jnp.bfloat16:
+    return None
+  return np.dtype(jnp.bfloat16)
+
+
+def _scaled_half(env: _Env, eqn, args, half):
+  """``(x, s, x_first)`` if a `mul`/`div` scales a ``half`` array ``x`` by
+  a float32 array ``s`` that is no parameter (for `div`, ``x / s``)."""
+  if len(args) != 2 or any(isinstance(v, jax_compat.Literal)
+                           or not _is_traced(a)
+                           for v, a in zip(eqn.invars, args)):
+    return None
+  a, b = args
+  for x, s, x_first in ((a, b, True), (b, a, False)):
+    if (_dtype(x) == half and _dtype(s) == jnp.float32
+        and not env.is_param(s)
+        and (x_first or eqn.primitive.name == "mul")):
+      return x, s, x_first
+  return None
 
 
 def _widen_params(env: _Env, eqn, args, target) -> list:
@@ -454,10 +513,25 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     rule = "lower"
     why = f"lower ({config.rules.reason_of(prim.name)}); policy from {region.decided_by}"
   elif op_class == op_rules_lib.FULL:
-    args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
-            for a in args]
-    outs, _ = _bind_natural(env, eqn, args)
     rule, why = "full", f"full: {config.rules.reason_of(prim.name)}"
+    store = _bf16_storage(policy)
+    floats = [a for a in args if _is_float(_dtype(a))]
+    if (store is not None and prim.name in _ELEMENTWISE_FULL
+        and len(eqn.outvars) == 1 and len(floats) == 1
+        and _dtype(floats[0]) == store and _is_traced(floats[0])
+        and eqn.outvars[0] not in env.full_only):
+      # bfloat16 has float32's range: rounding the float32 result to it
+      # loses one rounding, as any bfloat16 activation does, and under
+      # grad what is saved for the backward pass is half as big. (Read
+      # only by other `full` ops, the result stays float32.)
+      i = next(i for i, a in enumerate(args) if _is_float(_dtype(a)))
+      fn = lambda v: _bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
+      outs = [lowp.unary_in_float32(fn, args[i], store)]
+      why += "; computed in float32, stored in bfloat16"
+    else:
+      args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
+              for a in args]
+      outs, _ = _bind_natural(env, eqn, args)
   elif (prim is jax_compat.broadcast_in_dim_p and rule != "as written"
         and op_class is None
         and env.wider_source(args[0]) is not args[0]):
@@ -489,12 +563,24 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       if op_class == op_rules_lib.LOWER and rule != "as written":
         why = ("lower op, but no half compute dtype governs: runs as written"
                if policy is None or not _is_half(policy.compute_dtype) else why)
-    if target is not None:
-      args = _widen_params(env, eqn, args, target)
-      args = _unify(env, eqn, args, target)
-    outs, natural = _bind_natural(env, eqn, args)
-    if not natural:
-      why += " (JAX refused other dtypes: ran as traced)"
+    store = _bf16_storage(policy) if rule != "as written" else None
+    scaled = (None if store is None or prim.name not in _SCALING
+              or target != jnp.float32
+              else _scaled_half(env, eqn, args, store))
+    if scaled is not None:
+      # A bfloat16 activation scaled by a float32 statistic (softmax's
+      # division by its sum): computed in float32, stored in bfloat16.
+      x, s, x_first = scaled
+      outs = [lowp.scale_in_float32(prim.name, x, s, store, x_first)]
+      why += ("; a bfloat16 value scaled by a float32 statistic: computed "
+              "in float32, stored in bfloat16")
+    else:
+      if target is not None:
+        args = _widen_params(env, eqn, args, target)
+        args = _unify(env, eqn, args, target)
+      outs, natural = _bind_natural(env, eqn, args)
+      if not natural:
+        why += " (JAX refused other dtypes: ran as traced)"
 
   if (prim.name in _SHAPE_OPS and invals and env.is_param(invals[0])
       and len(outs) == 1):
@@ -538,7 +624,11 @@ def _lower(env: _Env, eqn, args, compute) -> list:
     # Operands cast down from float32 (a parameter, typically) go in as
     # float32: the primitive casts them itself, and their gradients then
     # come from its float32 accumulator, not rounded to half and back.
-    lhs, rhs = (env.wider_source(a) for a in args)
+    # Only parameters and inputs: they are kept alive anyway, whereas
+    # saving a float32 activation for the backward pass would double the
+    # memory its half copy needs.
+    lhs, rhs = (w if env.is_param(w := env.wider_source(a)) else a
+                for a in args)
     return [lowp.amp_dot_general(
         lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
         precision=eqn.params.get("precision"), out_dtype=out_dtype,
