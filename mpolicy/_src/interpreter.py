@@ -11,10 +11,19 @@ registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
   governing policy, float32 accumulation; run as written where no policy
   governs or the compute dtype is float32.
 * ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
-  not; the result stays float32, as with autocast.
+  not; the result stays float32, as with autocast. Under a bfloat16 policy
+  (bfloat16 has float32's range) an element-wise ``full`` op on a bfloat16
+  value computes in float32 and stores its result, and the derivative the
+  backward pass keeps, in bfloat16, unless only float32 readers (sums,
+  casts to float32) use it.
 * ``promote``: the widest floating dtype among the inputs.
 * anything else: the dtype of its inputs. Where floating inputs disagree,
-  literals follow the arrays, otherwise the widest dtype wins. If JAX
+  literals follow the arrays; parameters and inputs (arrays that entered
+  the call, and reshapes, broadcasts, transposes and slices of them) are
+  used in the compute dtype; otherwise the widest dtype wins (so
+  ``x - mean(x)`` runs in float32). Under a bfloat16 policy, a ``mul`` or
+  ``div`` of a bfloat16 value by a float32 statistic (softmax's division by
+  its sum) computes in float32 and stores its result in bfloat16. If JAX
   rejects the re-typed equation, it runs on inputs cast back to the dtypes
   it was traced with.
 
