@@ -496,6 +496,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
                  region: Optional[regions.Region]) -> list:
   prim = eqn.primitive
   casts_before = env.inserted
+  ran_in = None  # Set where the op runs in another dtype than its args.
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
   args = list(invals)
@@ -536,6 +537,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       i = next(i for i, a in enumerate(args) if _is_float(_dtype(a)))
       fn = lambda v: _bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
       outs = [lowp.unary_in_float32(fn, args[i], store)]
+      ran_in = "float32"
       why += "; computed in float32, stored in bfloat16"
     else:
       args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
@@ -581,6 +583,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       # division by its sum): computed in float32, stored in bfloat16.
       x, s, x_first = scaled
       outs = [lowp.scale_in_float32(prim.name, x, s, store, x_first)]
+      ran_in = "float32"
       why += ("; a bfloat16 value scaled by a float32 statistic: computed "
               "in float32, stored in bfloat16")
     else:
@@ -599,6 +602,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
     if not ran or rule == "explicit cast":  # A cast "runs in" its result.
       ran = sorted({_dtype(o).name for o in outs})
+    if ran_in is not None:
+      ran = [ran_in]
     _recording.rows.append(Decision(
         scope="/".join(regions.plain_scope_names(names)),
         module_class=region.module_class if region is not None else None,
