@@ -62,7 +62,7 @@ _AS_TRACED = frozenset({jax_compat.bitcast_convert_type_p})
 
 # Primitives whose result is a re-arrangement of (part of) their first
 # input: a parameter or input reshaped, broadcast, transposed or sliced is
-# still a parameter or input (see `_Env.params`).
+# still a parameter or input (see `_Env.is_param`).
 _SHAPE_OPS = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
     "slice", "dynamic_slice", "gather", "rev", "copy", "copy_p", "device_put",
@@ -579,8 +579,10 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
               or target != jnp.float32
               else _scaled_half(env, eqn, args, store))
     if scaled is not None:
-      # A bfloat16 activation scaled by a float32 statistic (softmax's
-      # division by its sum): computed in float32, stored in bfloat16.
+      # A bfloat16 activation scaled by a float32 value that is no
+      # parameter (softmax's division by its sum, typically): computed in
+      # float32, stored in bfloat16. A product or quotient has no
+      # cancellation, so the storage costs one rounding.
       x, s, x_first = scaled
       outs = [lowp.scale_in_float32(prim.name, x, s, store, x_first)]
       ran_in = "float32"
