@@ -11,10 +11,19 @@ registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
   governing policy, float32 accumulation; run as written where no policy
   governs or the compute dtype is float32.
 * ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
-  not; the result stays float32, as with autocast.
+  not; the result stays float32, as with autocast. Under a bfloat16 policy
+  (bfloat16 has float32's range) an element-wise ``full`` op on a bfloat16
+  value computes in float32 and stores its result, and the derivative the
+  backward pass keeps, in bfloat16, unless only float32 readers (sums,
+  casts to float32) use it.
 * ``promote``: the widest floating dtype among the inputs.
 * anything else: the dtype of its inputs. Where floating inputs disagree,
-  literals follow the arrays, otherwise the widest dtype wins. If JAX
+  literals follow the arrays; parameters and inputs (arrays that entered
+  the call, and reshapes, broadcasts, transposes and slices of them) are
+  used in the compute dtype; otherwise the widest dtype wins (so
+  ``x - mean(x)`` runs in float32). Under a bfloat16 policy, a ``mul`` or
+  ``div`` of a bfloat16 value by a float32 statistic (softmax's division by
+  its sum) computes in float32 and stores its result in bfloat16. If JAX
   rejects the re-typed equation, it runs on inputs cast back to the dtypes
   it was traced with.
 
@@ -50,6 +59,29 @@ AMP_ATTRIBUTE = "__mpolicy_amp__"
 # Primitives that reinterpret bits or make random numbers: their floating
 # inputs (if any) must keep the dtype they were traced with.
 _AS_TRACED = frozenset({jax_compat.bitcast_convert_type_p})
+
+# Primitives whose result is a re-arrangement of (part of) their first
+# input: a parameter or input reshaped, broadcast, transposed or sliced is
+# still a parameter or input (see `_Env.is_param`).
+_SHAPE_OPS = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
+    "slice", "dynamic_slice", "gather", "rev", "copy", "copy_p", "device_put",
+    "sharding_constraint"})
+
+# `full` primitives that act element by element. Under a bfloat16 policy
+# they compute in float32 and store their result in bfloat16 (see
+# `_first_order`); reductions, scans and linear algebra keep float32 results.
+_ELEMENTWISE_FULL = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
+    "rsqrt", "sqrt", "cbrt", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "polygamma", "igamma", "igammac", "zeta", "regularized_incomplete_beta",
+    "bessel_i0e", "bessel_i1e", "acos", "asin", "atan", "acosh", "asinh",
+    "atanh", "cosh", "sinh", "tan", "tanh", "logistic", "sin", "cos"})
+
+# Ops whose result has a small relative error whatever their operands'
+# magnitudes (no cancellation): a float32 one storing its result in
+# bfloat16 loses only that one rounding.
+_SCALING = frozenset({"mul", "div"})
 
 # Primitives with a dtype parameter that follows their inputs: when the
 # inputs change dtype, the parameter follows (if it was the input dtype).
@@ -152,14 +184,37 @@ def _is_traced(x) -> bool:
 
 
 class _Env:
-  """Values of one jaxpr's variables, and the casts made of them."""
+  """Values of one jaxpr's variables, and the casts made of them.
+
+  It also knows which values are parameters or inputs: the arrays that
+  entered the `amp` call (arguments, closed-over constants) and reshapes,
+  broadcasts, transposes and slices of them. Where such a value is wider
+  than the governing compute dtype and meets half values in an op without a
+  rule, it is used in the compute dtype (as Haiku's policies cast
+  parameters), so ``x @ w + b`` adds the bias in half.
+  """
 
   def __init__(self):
     self.values: dict[Any, Any] = {}
     self._casts: dict[tuple[int, np.dtype], Any] = {}
     self._wider: dict[int, Any] = {}  # Down-cast value -> its source.
     self._keep: list[Any] = []  # Keeps ids in `_casts` alive.
+    self._params: set[int] = set()  # Ids of parameters and inputs.
+    # Which of the jaxpr's invars are parameters or inputs (``None``: all,
+    # as at the top of an `amp` call).
+    self.arg_params: Optional[Sequence[bool]] = None
+    # Variables read only by `full` ops (they keep float32 results).
+    self.full_only: set[Any] = set()
     self.inserted = 0
+
+  def mark_param(self, x) -> None:
+    """Records ``x`` as a parameter or input."""
+    if _is_traced(x) and _is_float(_dtype(x)):
+      self._params.add(id(x))
+      self._keep.append(x)
+
+  def is_param(self, x) -> bool:
+    return _is_traced(x) and id(x) in self._params
 
   def read(self, var):
     if isinstance(var, jax_compat.Literal):
@@ -223,10 +278,35 @@ class Scope:
       every equation inside its sub-jaxprs).
   """
 
-  def __init__(self, config: _Config, env: _Env, names: tuple[str, ...]):
+  def __init__(self, config: _Config, env: _Env, names: tuple[str, ...],
+               invals: Sequence[Any] = (), eqn_params=None):
     self._config = config
     self._env = env
     self.names = names
+    self._invals = list(invals)
+    self._eqn_params = eqn_params
+
+  def _arg_params(self, in_avals, eqn_params) -> list[bool]:
+    """Which sub-jaxpr inputs are parameters or inputs of the `amp` call.
+
+    Operands map onto a sub-jaxpr's inputs one to one (`jit`, `checkpoint`,
+    `scan`, `shard_map`, a `custom_jvp` primal), or after the index (`cond`);
+    other layouts (a `while` cond, a JVP rule) get no parameters.
+    """
+    flags = [self._env.is_param(x) for x in self._invals]
+    if len(in_avals) == len(flags):
+      out = flags
+    elif len(in_avals) == len(flags) - 1:
+      out = flags[1:]
+    else:
+      return [False] * len(in_avals)
+    if eqn_params is not None and "num_carry" in eqn_params:
+      # Loop carries change from one iteration to the next.
+      start = eqn_params["num_consts"]
+      out = list(out)
+      out[start:start + eqn_params["num_carry"]] = (
+          [False] * eqn_params["num_carry"])
+    return out
 
   def cast(self, x, dtype):
     """``x`` cast to ``dtype`` (cached) if it is floating, else ``x``."""
@@ -247,9 +327,11 @@ class Scope:
     config = dataclasses.replace(self._config,
                                  quiet=self._config.quiet or quiet)
     names = self.names
+    arg_params = self._arg_params(in_avals, self._eqn_params)
 
     def run(*args):
       env = _Env()
+      env.arg_params = arg_params
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if _is_float(_dtype(a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -271,13 +353,21 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
   base = jax_compat.current_name_stack()
   env.values.update(zip(jaxpr.constvars, consts))
   env.values.update(zip(jaxpr.invars, args))
+  for x in consts:
+    env.mark_param(x)
+  env.full_only = _read_only_by_full(jaxpr, config.rules)
+  flags = env.arg_params
+  for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
+    if flag:
+      env.mark_param(env.values[var])
   for eqn in jaxpr.eqns:
     invals = [env.read(v) for v in eqn.invars]
     names = prefix + jax_compat.eqn_scope_names(eqn)
     with jax_compat.eqn_context_under(base, eqn):
       rule = higher_order.rule_for(eqn.primitive)
       if rule is not None:
-        outs = rule(Scope(config, env, names), eqn, invals)
+        outs = rule(Scope(config, env, names, invals, eqn.params), eqn,
+                    invals)
       else:
         region = config.region(names)
         if region is None or not region.full_precision:
@@ -287,6 +377,24 @@ def _eval_jaxpr(jaxpr, consts, args, config: _Config,
       if not isinstance(var, jax_compat.DropVar):
         env.values[var] = out
   return [env.read(v) for v in jaxpr.outvars]
+
+
+def _read_only_by_full(jaxpr, rules) -> set:
+  """The variables of ``jaxpr`` read only in float32: by first-order `full`
+  ops or by casts to float32 (as `jnp.sum` of a half array casts)."""
+  readers: dict[Any, bool] = {}
+  for eqn in jaxpr.eqns:
+    full = ((rules.class_of(eqn.primitive.name) == op_rules_lib.FULL
+             and higher_order.rule_for(eqn.primitive) is None)
+            or (eqn.primitive is jax_compat.convert_element_type_p
+                and np.dtype(eqn.params["new_dtype"]) == jnp.float32))
+    for v in eqn.invars:
+      if not isinstance(v, jax_compat.Literal):
+        readers[v] = readers.get(v, True) and full
+  for v in jaxpr.outvars:
+    if not isinstance(v, jax_compat.Literal):
+      readers[v] = False
+  return {v for v, only_full in readers.items() if only_full}
 
 
 def _bind(eqn, args, params=None) -> list:
@@ -329,19 +437,69 @@ def _unify(env: _Env, eqn, args, target) -> list:
   return [env.cast(a, target) if _is_float(_dtype(a)) else a for a in args]
 
 
-def _array_target(eqn, args) -> Optional[np.dtype]:
-  """The dtype disagreeing floating inputs meet at (literals follow)."""
-  arrays, followers = [], []
+def _bf16_storage(policy) -> Optional[np.dtype]:
+  """bfloat16 where a bfloat16 policy governs, else ``None``."""
+  if policy is None or np.dtype(policy.compute_dtype) != jnp.bfloat16:
+    return None
+  return np.dtype(jnp.bfloat16)
+
+
+def _scaled_half(env: _Env, eqn, args, half):
+  """``(x, s, x_first)`` if a `mul`/`div` scales a ``half`` array ``x`` by
+  a float32 array ``s`` that is no parameter (for `div`, ``x / s``)."""
+  if len(args) != 2 or any(isinstance(v, jax_compat.Literal)
+                           or not _is_traced(a)
+                           for v, a in zip(eqn.invars, args)):
+    return None
+  a, b = args
+  for x, s, x_first in ((a, b, True), (b, a, False)):
+    if (_dtype(x) == half and _dtype(s) == jnp.float32
+        and not env.is_param(s)
+        and (x_first or eqn.primitive.name == "mul")):
+      return x, s, x_first
+  return None
+
+
+def _widen_params(env: _Env, eqn, args, target) -> list:
+  """Parameters about to be cast down to ``target`` that the op would
+  broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast first, in
+  their own dtype: under grad the sum over the broadcast dims then runs in
+  float32 instead of in half."""
+  if len(eqn.outvars) != 1:
+    return args
+  shape = tuple(eqn.outvars[0].aval.shape)
+  out = []
+  for a in args:
+    if (env.is_param(a) and _dtype(a) != target and np.ndim(a) == len(shape)
+        and tuple(np.shape(a)) != shape):
+      a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
+    out.append(a)
+  return out
+
+
+def _array_target(eqn, args, env: Optional[_Env] = None,
+                  compute=None) -> Optional[np.dtype]:
+  """The dtype disagreeing floating inputs meet at.
+
+  Literals follow the arrays. With a half ``compute`` dtype, parameters and
+  inputs (`_Env.is_param`) wider than it count as ``compute``: they are used
+  in the compute dtype, not the other way round.
+  """
+  arrays, followers, actual = [], [], set()
   for var, a in zip(eqn.invars, args):
     d = _dtype(a)
     if not _is_float(d):
       continue
+    actual.add(np.dtype(d))
     weak = isinstance(var, jax_compat.Literal) or getattr(var.aval, "weak_type",
                                                           False)
+    if (compute is not None and env is not None and env.is_param(a)
+        and np.dtype(d).itemsize > np.dtype(compute).itemsize):
+      d = np.dtype(compute)
     (followers if weak or not _is_traced(a) and np.ndim(a) == 0
      else arrays).append(d)
   pool = arrays or followers
-  if len(set(arrays + followers)) <= 1:
+  if len(actual) <= 1:
     return None
   return _widest(pool)
 
@@ -353,6 +511,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
   if custom is not None and (region is None or not region.full_precision):
     return _run_custom(config, eqn, invals, names, region, custom)
   casts_before = env.inserted
+  ran_in = None  # Set where the op runs in another dtype than its args.
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
   args = list(invals)
@@ -380,10 +539,26 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     rule = "lower"
     why = f"lower ({config.rules.reason_of(prim.name)}); policy from {region.decided_by}"
   elif op_class == op_rules_lib.FULL:
-    args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
-            for a in args]
-    outs, _ = _bind_natural(env, eqn, args)
     rule, why = "full", f"full: {config.rules.reason_of(prim.name)}"
+    store = _bf16_storage(policy)
+    floats = [a for a in args if _is_float(_dtype(a))]
+    if (store is not None and prim.name in _ELEMENTWISE_FULL
+        and len(eqn.outvars) == 1 and len(floats) == 1
+        and _dtype(floats[0]) == store and _is_traced(floats[0])
+        and eqn.outvars[0] not in env.full_only):
+      # bfloat16 has float32's range: rounding the float32 result to it
+      # loses one rounding, as any bfloat16 activation does, and under
+      # grad what is saved for the backward pass is half as big. (Read
+      # only by other `full` ops, the result stays float32.)
+      i = next(i for i, a in enumerate(args) if _is_float(_dtype(a)))
+      fn = lambda v: _bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
+      outs = [lowp.unary_in_float32(fn, args[i], store)]
+      ran_in = "float32"
+      why += "; computed in float32, stored in bfloat16"
+    else:
+      args = [env.cast(a, jnp.float32) if _is_half(_dtype(a)) else a
+              for a in args]
+      outs, _ = _bind_natural(env, eqn, args)
   elif (prim in _SUMMING_TRANSPOSE and rule != "as written"
         and op_class is None
         and env.wider_source(args[0]) is not args[0]):
@@ -404,21 +579,52 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
       target = _widest(floats) if len(set(floats)) > 1 else None
       rule, why = "promote", f"promote: {config.rules.reason_of(prim.name)}"
     else:
-      target = _array_target(eqn, args)
+      param_compute = None
+      if (rule != "as written" and policy is not None
+          and _is_half(policy.compute_dtype)):
+        param_compute = np.dtype(policy.compute_dtype)
+      target = _array_target(eqn, args, env, param_compute)
+      if param_compute is not None and target == param_compute and any(
+          env.is_param(a) and _dtype(a) != target
+          for a in args if _is_float(_dtype(a))):
+        why = ("parameters and inputs are used in the compute dtype "
+               f"{target.name} (policy from {region.decided_by})")
       if op_class == op_rules_lib.LOWER and rule != "as written":
         why = ("lower op, but no half compute dtype governs: runs as written"
                if policy is None or not _is_half(policy.compute_dtype) else
                "lower op on float64: not eligible, runs as written")
-    if target is not None:
-      args = _unify(env, eqn, args, target)
-    outs, natural = _bind_natural(env, eqn, args)
-    if not natural:
-      why += " (JAX refused other dtypes: ran as traced)"
+    store = _bf16_storage(policy) if rule != "as written" else None
+    scaled = (None if store is None or prim.name not in _SCALING
+              or target != jnp.float32
+              else _scaled_half(env, eqn, args, store))
+    if scaled is not None:
+      # A bfloat16 activation scaled by a float32 value that is no
+      # parameter (softmax's division by its sum, typically): computed in
+      # float32, stored in bfloat16. A product or quotient has no
+      # cancellation, so the storage costs one rounding.
+      x, s, x_first = scaled
+      outs = [lowp.scale_in_float32(prim.name, x, s, store, x_first)]
+      ran_in = "float32"
+      why += ("; a bfloat16 value scaled by a float32 statistic: computed "
+              "in float32, stored in bfloat16")
+    else:
+      if target is not None:
+        args = _widen_params(env, eqn, args, target)
+        args = _unify(env, eqn, args, target)
+      outs, natural = _bind_natural(env, eqn, args)
+      if not natural:
+        why += " (JAX refused other dtypes: ran as traced)"
+
+  if (prim.name in _SHAPE_OPS and invals and env.is_param(invals[0])
+      and len(outs) == 1):
+    env.mark_param(outs[0])
 
   if _recording.rows is not None and not config.quiet:
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
     if not ran or rule == "explicit cast":  # A cast "runs in" its result.
       ran = sorted({_dtype(o).name for o in outs})
+    if ran_in is not None:
+      ran = [ran_in]
     _recording.rows.append(Decision(
         scope="/".join(regions.plain_scope_names(names)),
         module_class=region.module_class if region is not None else None,
@@ -453,7 +659,11 @@ def _lower(env: _Env, eqn, args, compute) -> list:
     # Operands cast down from float32 (a parameter, typically) go in as
     # float32: the primitive casts them itself, and their gradients then
     # come from its float32 accumulator, not rounded to half and back.
-    lhs, rhs = (env.wider_source(a) for a in args)
+    # Only parameters and inputs: they are kept alive anyway, whereas
+    # saving a float32 activation for the backward pass would double the
+    # memory its half copy needs.
+    lhs, rhs = (w if env.is_param(w := env.wider_source(a)) else a
+                for a in args)
     return [lowp.amp_dot_general(
         lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
         precision=eqn.params.get("precision"), out_dtype=out_dtype,

@@ -363,10 +363,15 @@ def define_bilinear(primitive, lhs_transpose, rhs_transpose) -> None:
   _ad.defbilinear(primitive, lhs_transpose, rhs_transpose)
 
 
-def define_lowering(primitive, composite) -> None:
-  """Lowers ``primitive`` by lowering ``composite`` (a JAX function)."""
+def define_lowering(primitive, composite, platform=None) -> None:
+  """Lowers ``primitive`` by lowering ``composite`` (a JAX function).
+
+  ``platform`` (``"cuda"``, ``"rocm"``, ``"tpu"``, ...) makes it the lowering
+  for that backend only; ``None`` is the default for every other backend.
+  """
   _mlir.register_lowering(
-      primitive, _mlir.lower_fun(composite, multiple_results=False))
+      primitive, _mlir.lower_fun(composite, multiple_results=False),
+      platform=platform)
 
 
 def define_batching(primitive, rule) -> None:

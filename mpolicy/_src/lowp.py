@@ -13,6 +13,16 @@ take the (half) cotangent and the other (half) operand, accumulate in
 float32 and cast to the operand's dtype. Every matmul and convolution of the
 backward pass is then half x half with float32 accumulation, and `jax.jvp`
 and `jax.jacfwd` keep working (a `custom_vjp` would break them).
+
+How float32 accumulation is asked for depends on the backend. GPUs and TPUs
+accumulate half products in float32 in their matrix units, so there the
+primitives lower to the half op asking for the half result: cuBLAS, cuDNN and
+the MXU run their half kernels and no float32 activation is written (cuDNN
+has no half-in, float32-out convolution: asked for one, XLA runs the whole
+convolution in float32). A dot whose result is wanted in float32 (the
+gradient of a float32 parameter) is a half x half -> float32 gemm, which
+cuBLAS runs natively. On CPU (and any other backend) the lowering asks for
+a float32 result and casts it.
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated"
 
 # --- Shared by both primitives ----------------------------------------------
 
+# Backends whose half matmul/convolution units accumulate in float32.
+ACCELERATORS = ("cuda", "rocm", "tpu")
+
 def _abstract_eval(composite, lhs, rhs, **params):
   """The aval of ``composite`` (the primitive's meaning in plain JAX).
 
@@ -44,10 +57,14 @@ def _abstract_eval(composite, lhs, rhs, **params):
   return closed.out_avals[0]
 
 
-def _define(primitive, composite, lhs_transpose, rhs_transpose, batch):
+def _define(primitive, composite, accelerator_composite, lhs_transpose,
+            rhs_transpose, batch):
   primitive.def_impl(composite)
   primitive.def_abstract_eval(functools.partial(_abstract_eval, composite))
   jax_compat.define_lowering(primitive, composite)
+  for platform in ACCELERATORS:
+    jax_compat.define_lowering(primitive, accelerator_composite,
+                               platform=platform)
   jax_compat.define_bilinear(primitive, lhs_transpose, rhs_transpose)
   jax_compat.define_batching(primitive, batch)
 
@@ -133,6 +150,16 @@ def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
   return out.astype(out_dtype)
 
 
+def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+                     compute_dtype):
+  """GPU/TPU: the half dot asked for ``out_dtype`` directly (the hardware
+  accumulates in float32; a float32 ``out_dtype`` is a native half x half ->
+  float32 gemm)."""
+  return jax.lax.dot_general(
+      _cast(lhs, compute_dtype), _cast(rhs, compute_dtype), dimension_numbers,
+      precision=precision, preferred_element_type=out_dtype)
+
+
 def _free_dims(ndim, contracting, batch) -> list[int]:
   return [d for d in range(ndim) if d not in contracting and d not in batch]
 
@@ -206,7 +233,7 @@ def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
   return out, out_dim
 
 
-_define(amp_dot_general_p, _dot_composite,
+_define(amp_dot_general_p, _dot_composite, _dot_accelerator,
         functools.partial(_dot_transpose, "lhs"),
         functools.partial(_dot_transpose, "rhs"), _dot_batch)
 
@@ -257,6 +284,15 @@ def _canonical_conv_params(lhs, rhs, params):
 def _conv_composite(lhs, rhs, *, out_dtype, **params):
   out = jax.lax.conv_general_dilated(lhs, rhs, **params,
                                      preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _conv_accelerator(lhs, rhs, *, out_dtype, **params):
+  """GPU/TPU: the half convolution, half result (the hardware accumulates in
+  float32), then cast. Never asked for a float32 result: cuDNN has no such
+  half kernel and XLA would run the whole convolution in float32."""
+  out = jax.lax.conv_general_dilated(lhs, rhs, **params,
+                                     preferred_element_type=None)
   return out.astype(out_dtype)
 
 
@@ -326,6 +362,78 @@ def _conv_batch(batched_args, batch_dims, *, out_dtype, **params):
   return _cast(out, out_dtype), out_dim[0]
 
 
-_define(amp_conv_general_dilated_p, _conv_composite,
+_define(amp_conv_general_dilated_p, _conv_composite, _conv_accelerator,
         functools.partial(_conv_transpose, "lhs"),
         functools.partial(_conv_transpose, "rhs"), _conv_batch)
+
+
+# --- Float32 computations stored in half ---------------------------------------
+#
+# A float32 op on a half input whose result is rounded back to half
+# (``convert(f(convert(x, f32)), bf16)``) is exact up to that last rounding,
+# but under `jax.grad` JAX saves what the float32 op's derivative needs in
+# float32: ``exp`` saves its float32 result, ``x ** 3`` saves ``3 x^2`` in
+# float32. These wrappers give the same forward values with a derivative
+# that keeps only half values (and small float32 statistics) for the
+# backward pass. They are `custom_jvp`s, so forward and reverse mode both
+# work at every order.
+
+
+def unary_in_float32(fn, x, store_dtype):
+  """``fn(x)`` computed in float32, stored in ``store_dtype``.
+
+  ``fn`` acts element by element on one float32 array. Its derivative is
+  rounded to ``store_dtype`` too, so under grad the backward pass keeps a
+  half array, as it would for an op run in half.
+  """
+  store_dtype = np.dtype(store_dtype)
+
+  @jax.custom_jvp
+  def op(x):
+    return fn(x.astype(jnp.float32)).astype(store_dtype)
+
+  @op.defjvp
+  def op_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    wide = x.astype(jnp.float32)
+    y, slope = jax.jvp(fn, (wide,), (jnp.ones_like(wide),))
+    return (y.astype(store_dtype),
+            slope.astype(store_dtype) * t.astype(store_dtype))
+
+  return op(x)
+
+
+def scale_in_float32(kind, x, s, store_dtype, x_first=True):
+  """``x * s`` or ``x / s`` in float32, stored in ``store_dtype``.
+
+  ``x`` is a half array, ``s`` a float32 statistic (a sum, a norm), usually
+  broadcast along some axes (``kind`` is ``"mul"`` or ``"div"``; a division
+  is always ``x / s``). Under grad the backward pass keeps ``x`` or the
+  half result, and ``s``.
+  """
+  store_dtype = np.dtype(store_dtype)
+  if kind not in ("mul", "div"):
+    raise ValueError(f"kind must be 'mul' or 'div', got {kind!r}")
+
+  def wide(x, s):
+    x = x.astype(jnp.float32)
+    if kind == "div":
+      return jnp.divide(x, s)
+    return jnp.multiply(x, s) if x_first else jnp.multiply(s, x)
+
+  @jax.custom_jvp
+  def op(x, s):
+    return wide(x, s).astype(store_dtype)
+
+  @op.defjvp
+  def op_jvp(primals, tangents):
+    (x, s), (tx, ts) = primals, tangents
+    out = op(x, s)
+    from_x = wide(tx, s).astype(store_dtype)
+    if kind == "mul":
+      from_s = jnp.multiply(x, ts.astype(store_dtype))
+    else:  # d(x / s) = dx / s - (x / s) * ds / s
+      from_s = -jnp.multiply(out, jnp.divide(ts, s).astype(store_dtype))
+    return out, (from_x + from_s).astype(store_dtype)
+
+  return op(x, s)

@@ -65,10 +65,12 @@ _DEFAULT_TABLE: dict[str, tuple[str, str]] = {
     "log": (FULL, "log loses precision in half (autocast fp32 list)"),
     "log1p": (FULL, "log1p loses precision near 0 in half (autocast fp32 list)"),
     "pow": (FULL, "pow overflows half (autocast fp32 list)"),
-    "integer_pow": (FULL, "x**n overflows half and loses the small terms of "
-                    "E[x^2] - E[x]^2 (autocast fp32 list: pow)"),
-    "square": (FULL, "x**2 overflows half and loses the small terms of "
-               "E[x^2] - E[x]^2 (autocast fp32 list: pow)"),
+    "integer_pow": (FULL, "x**n overflows float16, and squares summed in "
+                    "half lose the small terms of E[x^2] - E[x]^2 "
+                    "(autocast fp32 list: pow)"),
+    "square": (FULL, "x**2 overflows float16, and squares summed in half "
+               "lose the small terms of E[x^2] - E[x]^2 "
+               "(autocast fp32 list: pow)"),
     "rsqrt": (FULL, "rsqrt of small variances overflows half (autocast fp32 list)"),
     "erf_inv": (FULL, "erf_inv diverges near +-1 (autocast fp32 list)"),
     "lgamma": (FULL, "lgamma overflows half (autocast fp32 list)"),
