@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import fp8
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import lowp
@@ -346,6 +347,14 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
   casts_before = env.inserted
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
+  fp8_dtype = None
+  if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
+    # A float8 policy: matmuls and convolutions go to `fp8`, everything
+    # else runs as under the policy's elementwise (bfloat16) compute dtype.
+    fp8_dtype = np.dtype(policy.compute_dtype)
+    policy = policy_lib.Policy(policy.param_dtype,
+                               policy_lib.elementwise_dtype(policy),
+                               policy.output_dtype)
   args = list(invals)
 
   if region is not None and region.full_precision:
@@ -361,6 +370,14 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     outs = _bind(eqn, [_cast_as_traced(env, a, v.aval.dtype)
                        for a, v in zip(args, eqn.invars)])
     rule, why = "as written", "reinterprets bits: runs as traced"
+  elif (fp8_dtype is not None and op_class == op_rules_lib.LOWER
+        and rule != "as written" and fp8.handles(eqn, args)):
+    # Quantized from the widest value at hand (a float32 parameter's
+    # gradient then comes back in float32; only float8 copies are saved).
+    outs = fp8.run_equation(eqn, [env.wider_source(a) for a in args],
+                            policy.compute_dtype)
+    rule = "lower"
+    why = f"lower in {fp8_dtype.name} ({fp8.REASON}); policy from {region.decided_by}"
   elif (op_class == op_rules_lib.LOWER and policy is not None
         and _is_half(policy.compute_dtype)
         and any(_is_float(_dtype(a)) for a in args)):
@@ -408,6 +425,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
     if not ran or rule == "explicit cast":  # A cast "runs in" its result.
       ran = sorted({_dtype(o).name for o in outs})
+    if fp8_dtype is not None and why.startswith(f"lower in {fp8_dtype.name}"):
+      ran = [fp8_dtype.name]
     _recording.rows.append(Decision(
         scope="/".join(regions.plain_scope_names(names)),
         module_class=region.module_class if region is not None else None,
