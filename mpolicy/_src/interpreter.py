@@ -9,7 +9,9 @@ registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
 
 * ``lower`` (matmul, convolution): inputs cast to the compute dtype of the
   governing policy, float32 accumulation; run as written where no policy
-  governs or the compute dtype is float32.
+  governs or the compute dtype is float32. Under a float8 policy (``c=f8``)
+  matmuls and convolutions run in `fp8` (per-tensor scaled float8), and
+  every other op as under ``c=bf16``.
 * ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
   not; the result stays float32, as with autocast.
 * ``promote``: the widest floating dtype among the inputs.
@@ -345,6 +347,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
                  region: Optional[regions.Region]) -> list:
   prim = eqn.primitive
   casts_before = env.inserted
+  ran_in = None  # Set where the op runs in another dtype than its args.
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
   fp8_dtype = None
@@ -376,7 +379,7 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     # gradient then comes back in float32; only float8 copies are saved).
     outs = fp8.run_equation(eqn, [env.wider_source(a) for a in args],
                             policy.compute_dtype)
-    rule = "lower"
+    rule, ran_in = "lower", fp8_dtype.name
     why = f"lower in {fp8_dtype.name} ({fp8.REASON}); policy from {region.decided_by}"
   elif (op_class == op_rules_lib.LOWER and policy is not None
         and _is_half(policy.compute_dtype)
@@ -425,8 +428,8 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     ran = sorted({_dtype(a).name for a in args if _is_float(_dtype(a))})
     if not ran or rule == "explicit cast":  # A cast "runs in" its result.
       ran = sorted({_dtype(o).name for o in outs})
-    if fp8_dtype is not None and why.startswith(f"lower in {fp8_dtype.name}"):
-      ran = [fp8_dtype.name]
+    if ran_in is not None:
+      ran = [ran_in]
     _recording.rows.append(Decision(
         scope="/".join(regions.plain_scope_names(names)),
         module_class=region.module_class if region is not None else None,
