@@ -122,7 +122,7 @@ def test_bad_parts_raise_quoting_the_part_and_listing_names(spec, bad_part):
 
 def test_unknown_dtype_message_says_unknown_dtype():
   assert "Unknown dtype 'compute_float16'" in _error("compute_float16")
-  assert "Unknown dtype 'f8'" in _error("c=f8")
+  assert "Unknown dtype 'e5m2'" in _error("c=e5m2")
 
 
 def test_unknown_key_message_says_unknown_key():

@@ -9,7 +9,9 @@ registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
 
 * ``lower`` (matmul, convolution): inputs cast to the compute dtype of the
   governing policy, float32 accumulation; run as written where no policy
-  governs or the compute dtype is float32.
+  governs or the compute dtype is float32. Under a float8 policy (``c=f8``)
+  matmuls and convolutions run in `fp8` (per-tensor scaled float8), and
+  every other op as under ``c=bf16``.
 * ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
   not; the result stays float32, as with autocast. Under a bfloat16 policy
   (bfloat16 has float32's range) an element-wise ``full`` op on a bfloat16
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import fp8
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import lowp
@@ -514,6 +517,14 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
   ran_in = None  # Set where the op runs in another dtype than its args.
   op_class = config.rules.class_of(prim.name)
   policy = region.policy if region is not None else None
+  fp8_dtype = None
+  if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
+    # A float8 policy: matmuls and convolutions go to `fp8`, everything
+    # else runs as under the policy's elementwise (bfloat16) compute dtype.
+    fp8_dtype = np.dtype(policy.compute_dtype)
+    policy = policy_lib.Policy(policy.param_dtype,
+                               policy_lib.elementwise_dtype(policy),
+                               policy.output_dtype)
   args = list(invals)
 
   if region is not None and region.full_precision:
@@ -529,6 +540,14 @@ def _first_order(config: _Config, env: _Env, eqn, invals, names,
     outs = _bind(eqn, [_cast_as_traced(env, a, v.aval.dtype)
                        for a, v in zip(args, eqn.invars)])
     rule, why = "as written", "reinterprets bits: runs as traced"
+  elif (fp8_dtype is not None and op_class == op_rules_lib.LOWER
+        and rule != "as written" and fp8.handles(eqn, args)):
+    # Quantized from the widest value at hand (a float32 parameter's
+    # gradient then comes back in float32; only float8 copies are saved).
+    outs = fp8.run_equation(eqn, [env.wider_source(a) for a in args],
+                            policy.compute_dtype)
+    rule, ran_in = "lower", fp8_dtype.name
+    why = f"lower in {fp8_dtype.name} ({fp8.REASON}); policy from {region.decided_by}"
   elif (op_class == op_rules_lib.LOWER and policy is not None
         and _is_half(policy.compute_dtype)
         and any(_is_float(_dtype(a)) for a in args)

@@ -2,6 +2,11 @@
 
 A `Policy` is three dtypes and three casts. `get_policy` parses jmp's policy
 strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
+
+The compute dtype may also be float8 (`float8_e4m3fn`, written `f8`): then
+matmuls and convolutions run in float8 with per-tensor scales (see `fp8`),
+and everything else runs as under a bfloat16 compute dtype
+(`elementwise_dtype`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ _DTYPE_NAMES: tuple[tuple[Any, tuple[str, ...]], ...] = (
     (jnp.bfloat16, ("bf16", "bfloat16")),
     (jnp.float16, ("f16", "float16")),
     (jnp.float64, ("f64", "float64")),
+    (jnp.float8_e4m3fn, ("f8", "float8", "e4m3", "float8_e4m3fn")),
 )
 _NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES for name in names}
 _SHORT_NAME = {np.dtype(dt): names[0] for dt, names in _DTYPE_NAMES}
@@ -37,7 +43,47 @@ _KEYS = {"p": "param", "params": "param",
          "o": "output", "output": "output"}
 
 _VALID_KEYS = "params|p, compute|c, output|o"
-_VALID_DTYPES = "full|f32|float32, half, bf16|bfloat16, f16|float16, f64|float64"
+_VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, "
+                 "f64|float64, f8|float8|e4m3|float8_e4m3fn (compute only)")
+
+# The float8 compute dtype, and the dtype every op other than a matmul or a
+# convolution runs in under it.
+FP8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
+_FP8_ELEMENTWISE = np.dtype(jnp.bfloat16)
+
+
+def is_fp8(dtype: Any) -> bool:
+  """Whether `dtype` is a float8 dtype (any of JAX's float8 variants).
+
+  >>> import jax.numpy as jnp
+  >>> is_fp8(jnp.float8_e4m3fn), is_fp8(jnp.bfloat16)
+  (True, False)
+
+  See also: `elementwise_dtype`.
+  """
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    return False
+  return dt.name.startswith("float8")
+
+
+def elementwise_dtype(policy: Policy) -> np.dtype:
+  """The dtype `policy` computes in outside matmuls and convolutions.
+
+  The compute dtype itself, except under a float8 policy, where it is
+  bfloat16: float8 is only for the scaled matmuls and convolutions, and a
+  float8 copy of an activation without its scale would lose it.
+
+  >>> str(elementwise_dtype(get_policy("p=f32,c=f8,o=bf16")))
+  'bfloat16'
+  >>> str(elementwise_dtype(get_policy("c=f16")))
+  'float16'
+
+  See also: `Policy.cast_to_compute`, which casts to this dtype.
+  """
+  compute = np.dtype(policy.compute_dtype)
+  return _FP8_ELEMENTWISE if is_fp8(compute) else compute
 
 
 def is_float_array(x: Any) -> bool:
@@ -91,6 +137,12 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype:
                     f"got {value!r}.") from e
   if not jnp.issubdtype(dt, jnp.floating):
     raise ValueError(f"Policy.{field} must be a floating dtype, got {dt.name}.")
+  if is_fp8(dt) and (field != "compute_dtype" or dt != FP8_COMPUTE):
+    raise ValueError(
+        f"Policy.{field} cannot be {dt.name}: float8 is only a compute dtype, "
+        "and only float8_e4m3fn (matmul operands need a per-tensor scale, "
+        "which stored params and outputs would not carry). Use e.g. "
+        "'p=f32,c=f8,o=bf16'.")
   return dt
 
 
@@ -160,13 +212,20 @@ class Policy:
   def cast_to_compute(self, tree: T) -> T:
     """Casts the floating array leaves of `tree` to `compute_dtype`.
 
+    Under a float8 policy (`c=f8`) the leaves are cast to bfloat16, the
+    dtype everything but matmuls and convolutions runs in there
+    (`elementwise_dtype`): a float8 copy without its per-tensor scale would
+    lose most values, and the scaled matmuls quantize their own operands.
+
     >>> import jax.numpy as jnp
     >>> get_policy("c=bf16").cast_to_compute((jnp.ones(2), 1.5))[1]
     1.5
+    >>> get_policy("p=f32,c=f8,o=bf16").cast_to_compute(jnp.ones(2)).dtype
+    dtype(bfloat16)
 
     See also: `Policy.cast_to_param`, `Policy.cast_to_output`.
     """
-    return _cast_floating(tree, self.compute_dtype)
+    return _cast_floating(tree, elementwise_dtype(self))
 
   def cast_to_output(self, tree: T) -> T:
     """Casts the floating array leaves of `tree` to `output_dtype`.
@@ -254,6 +313,14 @@ def _parse_dtype(name: str, part: str, spec: str) -> Any:
     ) from None
 
 
+def _reject_fp8_storage(name: str, part: str, spec: str):
+  raise ValueError(
+      f"float8 {name!r} in part {part!r} of policy {spec!r} is only a "
+      "compute dtype: params and outputs need a dtype that holds values "
+      "without a per-tensor scale (e.g. 'p=f32,c=f8,o=bf16'). Valid dtype "
+      f"names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}.")
+
+
 def _from_jmp(spec: Any) -> Policy | None:
   jmp = sys.modules.get("jmp")  # Only a jmp that is imported can have made it.
   jmp_policy = getattr(jmp, "Policy", None)
@@ -272,6 +339,10 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   float32, compute follows params, output follows compute. Spaces around
   parts, keys and names are ignored; names are case-sensitive.
 
+  `f8|float8|e4m3|float8_e4m3fn` is a compute dtype only (`c=f8`): matmuls
+  and convolutions then run in float8 with per-tensor scales, everything
+  else in bfloat16, and an unset output is bfloat16. `str` writes it `f8`.
+
   Unlike jmp, a key given twice (`"p=f16,params=f32"`) is an error rather
   than silently taking the last value.
 
@@ -279,6 +350,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   'p=f32,c=bf16,o=bf16'
   >>> str(get_policy("params=float32, compute=f16, output=full"))
   'p=f32,c=f16,o=f32'
+  >>> str(get_policy("c=e4m3"))
+  'p=f32,c=f8,o=bf16'
 
   Args:
     spec: a policy string, a `Policy` (returned as is) or a `jmp.Policy`
@@ -306,6 +379,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   if "=" not in spec:
     name = spec.strip()
     dtype = _parse_dtype(name, name, spec)
+    if is_fp8(dtype):
+      _reject_fp8_storage(name, name, spec)
     return Policy(dtype, dtype, dtype)
 
   chosen = {}
@@ -324,8 +399,12 @@ def get_policy(spec: str | Policy | Any) -> Policy:
           f"Duplicate key in part {part!r} of policy {spec!r}: the "
           f"{field} dtype is already set. Valid keys: {_VALID_KEYS}.")
     chosen[field] = _parse_dtype(pieces[1].strip(), part, spec)
+    if field != "compute" and is_fp8(chosen[field]):
+      _reject_fp8_storage(pieces[1].strip(), part, spec)
 
   param = chosen.get("param", jnp.float32)
   compute = chosen.get("compute", param)
-  output = chosen.get("output", compute)
+  # Under float8 compute the output follows the dtype non-matmul ops use.
+  output = chosen.get("output", _FP8_ELEMENTWISE if is_fp8(compute)
+                      else compute)
   return Policy(param, compute, output)
