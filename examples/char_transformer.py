@@ -44,6 +44,7 @@ import mp_flags
 import mp_report
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
 mp_flags.define_bn_policy()
 
 STDLIB = os.path.dirname(os.__file__)

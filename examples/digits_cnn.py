@@ -42,6 +42,7 @@ import mp_flags
 import mp_report
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
 mp_flags.define_bn_policy()
 flags.DEFINE_list("channels", ["32", "64"],
                   "Output channels of the conv layers (each followed by "

@@ -33,6 +33,7 @@ import mp_flags
 import mp_report
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
 METRICS = ("test accuracy", "final loss")
 
 

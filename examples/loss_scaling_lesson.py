@@ -8,27 +8,28 @@ the model's size and corpus) with the same seed and batches:
 3. the same with `--mp_scale_type` (Dynamic by default, from
    `--mp_scale_value`), unless that is NoOp.
 
-At every step of the half-precision runs it counts how much of the gradient
-*underflows*: the backward pass starts with the gradient of the loss with
-respect to the logits (times the loss scale) and casts it to float16 where
-the last layer computes; entries below float16's smallest subnormal, 2**-24
-(about 6e-8), become exactly 0 there, and every gradient computed from them
+At every step of the half-precision runs it measures the underflow: the
+backward pass starts with the gradient of the loss with respect to the
+logits (times the loss scale) and casts it to float16 where the last layer
+computes. Entries below 2**-25 (about 3e-8, half of float16's smallest
+subnormal) become exactly 0 there, and every gradient computed from them
 loses them. The table gives the percentage of nonzero entries flushed (mean
 over the run, and over its last 10 steps) next to each run's losses; the
 plot (`--plot`) shows it step by step. As the model grows confident, the
 gradients of the characters it rules out shrink, and more of them flush.
 
-Nothing is rigged: the loss is the usual mean over batch and sequence, which
-makes each gradient small (the factor 1/(batch_size * seq_len)). The CPU
-defaults (a small model, 150 steps, about two minutes) already show the
-underflow; at a size a GPU trains in a minute, float16 without a scale also
-falls behind in loss. Measured on an H100 with
+Nothing is rigged: the loss is the usual mean over batch and sequence, so
+each entry carries a factor 1/(batch_size * seq_len). With the CPU
+defaults (a small model, 150 steps of 32x64, about a minute of CPU time),
+float16 without a scale flushes 11% of the logit gradients by the end
+(3.6% on average); with the dynamic scale, none. The loss hardly suffers at
+this size. On a GPU a bigger model shows the cost in loss too: the same
+transformer with d_model 512, 6 layers, 150 steps of 64x256 (H100) ended at
+loss 3.10 in float16 without a scale, 2.81 with the dynamic scale and 2.80
+in float32. The lesson at that size:
 
   python examples/loss_scaling_lesson.py --d_model=512 --num_layers=6 \
-      --seq_len=256 --batch_size=64 --steps=150
-
-the final losses were 3.10 (f16, no scale), 2.81 (f16, dynamic scale) and
-2.80 (f32).
+      --seq_len=256 --batch_size=64 --steps=150 --plot=/tmp/lesson.png
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import mp_flags
 import mp_report
 
 FLAGS = flags.FLAGS
-flags.adopt_module_key_flags(char_transformer)  # --help lists its flags.
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them,
+flags.adopt_module_key_flags(char_transformer)  # and the model's.
 
 UNDERFLOW = "underflowed logit grads (%)"
 

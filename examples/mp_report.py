@@ -114,17 +114,18 @@ def plot(runs: Sequence[Run], path: str, title: str = "") -> None:
   """Writes a PNG with one panel per series, a line style per run.
 
   Panels: the loss; the loss minus the first run's (runs that overlap at
-  the top are told apart here); the loss scale; then each `Log.extra`
-  series (e.g. the fraction of underflowed gradients).
+  the top are told apart here); the loss scale, if any run has one; then
+  each `Log.extra` series (e.g. the share of underflowed gradients).
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   extras = sorted({k for r in runs for k in r.log.extra})
-  panels = ["training loss"] + (
-      [f"loss - loss of {runs[0].name}"] if len(runs) > 1 else []) + [
-          "loss scale"] + extras
+  scaled = any(r.scale_type != "NoOp" for r in runs)
+  panels = (["training loss"]
+            + ([f"loss - loss of {runs[0].name}"] if len(runs) > 1 else [])
+            + (["loss scale"] if scaled else []) + extras)
   fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)),
                            sharex=True, squeeze=False)
   for i, r in enumerate(runs):
@@ -145,7 +146,8 @@ def plot(runs: Sequence[Run], path: str, title: str = "") -> None:
     ax.set_ylabel(name)
     ax.legend(fontsize=8)
   axes[0, 0].set_yscale("log")
-  axes[panels.index("loss scale"), 0].set_yscale("log", base=2)
+  if scaled:
+    axes[panels.index("loss scale"), 0].set_yscale("log", base=2)
   axes[-1, 0].set_xlabel("step")
   axes[0, 0].set_title(title)
   fig.tight_layout()
