@@ -507,8 +507,9 @@ def _trace_user_fn(flat_fn, in_avals):
         "amp: the function updates a Flax NNX variable that was created "
         f"outside the amp call ({e}). amp traces the function on its own, so "
         "a module it closes over cannot update its state (e.g. BatchNorm "
-        "statistics) in place. Pass the state in and "
-        "out explicitly with nnx.split / nnx.merge:\n\n"
+        "statistics) in place. Pass the state in and out explicitly with "
+        "nnx.split / nnx.merge (split off every variable type it updates, "
+        "e.g. also nnx.RngState for dropout):\n\n"
         + _NNX_SPLIT_MERGE) from e
 
 
