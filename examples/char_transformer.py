@@ -1,29 +1,33 @@
 r"""A small character-level transformer LM, trained in mixed precision.
 
 The corpus is a few of the standard library's own source files, read from
-disk (`os.path.dirname(os.__file__)`) in a fixed order: it exists wherever
-Python does, so nothing is downloaded. The model has attention, softmax,
-LayerNorm and a GELU MLP per block, each block under `hk.remat`.
+the directory of `os.py` in a fixed order: it exists wherever Python does,
+so nothing is downloaded. Each block has causal attention, softmax,
+LayerNorm and a GELU MLP, under `hk.remat`.
 
 The attention blocks are modules named `attention`, so a name pattern
 reaches all of them, e.g. to keep attention in float32 while the rest of the
 model computes in bfloat16:
 
-  python -m examples.char_transformer --attention_policy=full --compare
+  python examples/char_transformer.py --attention_policy=full --compare
 
-which sets `mpolicy.set_policy("*/attention", "full")` for the run (rule 1
-of the registry: a pattern on a module's own name beats the class default).
-LayerNorms follow `--mp_bn_policy` (float32 by default).
+which sets `mpolicy.set_policy("*/attention", "full")` for the run (a
+pattern on a module's own name beats the class default). LayerNorms follow
+`--mp_bn_policy` (float32 by default).
+
+The step is written out: `mpolicy.scaled_value_and_grad` (scale, grad,
+unscale, finiteness check, scale adjustment in one call), then an optimizer
+wrapped in `mpolicy.skip_nonfinite`, which leaves params and optimizer state
+as they were when the gradients are not finite.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 import contextlib
-import dataclasses
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, NamedTuple, Optional
 
 from absl import app
 from absl import flags
@@ -34,40 +38,59 @@ import numpy as np
 import optax
 
 import mpolicy
-from examples import common
+
+# Sibling modules in examples/ (the script's directory is on sys.path).
+import mp_flags
+import mp_report
 
 FLAGS = flags.FLAGS
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too.
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
+mp_flags.define_bn_policy()
 
+STDLIB = os.path.dirname(os.__file__)
 DEFAULT_CORPUS = ("bisect.py", "heapq.py", "functools.py", "textwrap.py",
                   "string.py", "abc.py", "contextlib.py")
 ATTENTION_PATTERN = "*/attention"
+METRICS = ("test accuracy", "test loss", "final loss")
 
 flags.DEFINE_string(
     "attention_policy", "",
-    f"Policy for the attention blocks (registry pattern "
+    f"Policy of the attention blocks (registry pattern "
     f"'{ATTENTION_PATTERN}'), e.g. 'full'; empty: they follow --mp_policy.")
 flags.DEFINE_list("corpus_files", list(DEFAULT_CORPUS),
-                  "Standard library files (relative to the directory of "
-                  "os.py) to train on, in this order.")
+                  f"Files to train on, in this order: paths relative to "
+                  f"the standard library ({STDLIB}) or absolute.")
 flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.")
 flags.DEFINE_integer("d_model", 64, "Width of the residual stream.")
 flags.DEFINE_integer("num_heads", 4, "Attention heads per block.")
 flags.DEFINE_integer("num_layers", 2, "Number of transformer blocks.")
 flags.DEFINE_bool("remat", True, "Wrap each block in hk.remat.")
 
-flags.register_validator("attention_policy", common.check_optional_policy_spec)
 
-DEFAULTS = dict(steps=300, batch_size=32, learning_rate=3e-3, log_every=50,
-                compare=False)
-METRICS = ("test accuracy", "test loss", "final loss")
+def _check_corpus_files(names: Sequence[str]) -> bool:
+  missing = [n for n in names if not os.path.isfile(os.path.join(STDLIB, n))]
+  if not names or missing:
+    raise flags.ValidationError(
+        f"no such file: {', '.join(missing) or '(empty list)'} (relative "
+        f"names are looked up in {STDLIB}). Give standard library files "
+        f"such as bisect.py,heapq.py, or absolute paths.")
+  return True
+
+
+flags.register_validator("corpus_files", _check_corpus_files)
+flags.register_validator("attention_policy", mp_flags.check_policy_spec)
+for _name in ("seq_len", "d_model", "num_heads", "num_layers"):
+  flags.register_validator(_name, lambda v: v >= 1,
+                           message=f"--{_name} must be at least 1.")
+flags.register_multi_flags_validator(
+    ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
+    message="--d_model must be a multiple of --num_heads.")
 
 
 # --- Data ----------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Corpus:
+class Corpus(NamedTuple):
   """Token ids of the text, split 90/10, and the vocabulary."""
   train: np.ndarray  # [N] int32
   test: np.ndarray
@@ -75,16 +98,11 @@ class Corpus:
 
 
 def load_corpus(files: Sequence[str] = DEFAULT_CORPUS) -> Corpus:
-  """Concatenates the named standard library files (missing ones skipped)."""
-  root = os.path.dirname(os.__file__)
+  """Concatenates the files (relative to the standard library, or absolute)."""
   texts = []
   for name in files:
-    path = os.path.join(root, name)
-    if os.path.isfile(path):
-      with open(path, encoding="utf-8") as f:
-        texts.append(f.read())
-  if not texts:
-    raise FileNotFoundError(f"None of {list(files)} found in {root}.")
+    with open(os.path.join(STDLIB, name), encoding="utf-8") as f:
+      texts.append(f.read())
   text = "\n".join(texts)
   vocab = "".join(sorted(set(text)))
   lookup = {c: i for i, c in enumerate(vocab)}
@@ -101,6 +119,19 @@ def windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
 # --- Model ---------------------------------------------------------------------
 
 
+class ModelConfig(NamedTuple):
+  seq_len: int = 64
+  d_model: int = 64
+  num_heads: int = 4
+  num_layers: int = 2
+  remat: bool = True
+
+  @classmethod
+  def from_flags(cls) -> ModelConfig:
+    return cls(FLAGS.seq_len, FLAGS.d_model, FLAGS.num_heads,
+               FLAGS.num_layers, FLAGS.remat)
+
+
 class SelfAttention(hk.Module):
   """Causal multi-head self-attention."""
 
@@ -113,8 +144,8 @@ class SelfAttention(hk.Module):
     head = width // self.num_heads
 
     def heads(name):  # [batch, length, heads, head]
-      y = hk.Linear(width, name=name)(x)
-      return y.reshape(batch, length, self.num_heads, head)
+      return hk.Linear(width, name=name)(x).reshape(
+          batch, length, self.num_heads, head)
 
     q, k, v = heads("query"), heads("key"), heads("value")
     logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head)
@@ -144,169 +175,159 @@ class Block(hk.Module):
 class CharTransformer(hk.Module):
   """Embeddings, `num_layers` blocks (each under `hk.remat`), logits."""
 
-  def __init__(self, vocab_size: int, d_model: int, num_heads: int,
-               num_layers: int, max_len: int, remat: bool = True,
-               name: Optional[str] = None):
+  def __init__(self, vocab_size: int, config: ModelConfig,
+               name: Optional[str] = "transformer"):
     super().__init__(name=name)
     self.vocab_size = vocab_size
-    self.d_model = d_model
-    self.num_heads = num_heads
-    self.num_layers = num_layers
-    self.max_len = max_len
-    self.remat = remat
+    self.config = config
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
     init = hk.initializers.TruncatedNormal(0.02)
-    x = hk.Embed(self.vocab_size, self.d_model, w_init=init,
-                 name="embed")(tokens)
-    pos = hk.get_parameter("pos_embed", [self.max_len, self.d_model],
-                           init=init)
+    x = hk.Embed(self.vocab_size, c.d_model, w_init=init, name="embed")(tokens)
+    pos = hk.get_parameter("pos_embed", [c.seq_len, c.d_model], init=init)
     x = x + pos[:tokens.shape[1]].astype(x.dtype)
-    for i in range(self.num_layers):
-      block = Block(self.num_heads, name=f"block_{i}")
-      x = hk.remat(block)(x) if self.remat else block(x)
+    for i in range(c.num_layers):
+      block = Block(c.num_heads, name=f"block_{i}")
+      x = hk.remat(block)(x) if c.remat else block(x)
     x = hk.LayerNorm(-1, create_scale=True, create_offset=True,
                      name="ln_final")(x)
     return hk.Linear(self.vocab_size, name="logits")(x)
 
 
+def make_forward(vocab_size: int, config: ModelConfig):
+  """The model as a function of tokens, for `hk.transform` or `transform_amp`."""
+  return lambda tokens: CharTransformer(vocab_size, config)(tokens)
+
+
+@contextlib.contextmanager
+def policies(policy: str, norm_policy: str = "full",
+             attention_policy: str = "") -> Iterator[None]:
+  """The model's registry entries, for the duration of a run."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(mpolicy.push_policy(CharTransformer, policy))
+    stack.enter_context(mpolicy.push_policy(hk.LayerNorm, norm_policy))
+    if attention_policy:
+      stack.enter_context(mpolicy.push_policy(ATTENTION_PATTERN,
+                                              attention_policy))
+    yield
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-character cross-entropy, in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets).mean()
+
+
+def lm_loss(apply, params, batch) -> tuple[jax.Array, jax.Array]:
+  """The mean cross-entropy of `apply`'s logits, and their accuracy."""
+  inputs, targets = batch[:, :-1], batch[:, 1:]
+  logits = apply(params, None, inputs)
+  accuracy = (jnp.argmax(logits, -1) == targets).mean()
+  return cross_entropy(logits, targets), accuracy
+
+
+def sample_starts(ids: np.ndarray, seq_len: int, steps: int, batch_size: int,
+                  seed: int) -> np.ndarray:
+  """[steps, batch_size] random window starts, deterministic in `seed`."""
+  return np.random.RandomState(seed).randint(
+      0, len(ids) - seq_len - 1, size=(steps, batch_size))
+
+
+def evaluate(apply, params, corpus: Corpus, seq_len: int) -> dict[str, float]:
+  """Test loss and accuracy on up to 128 windows of the held-out text."""
+  starts = np.arange(0, len(corpus.test) - seq_len - 1, seq_len)[:128]
+  loss, acc = jax.jit(lambda p, b: lm_loss(apply, p, b))(
+      params, windows(corpus.test, starts, seq_len))
+  return {"test accuracy": float(acc), "test loss": float(loss)}
+
+
 # --- Training ------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """Everything a run depends on besides the mixed precision settings."""
-  steps: int = DEFAULTS["steps"]
-  batch_size: int = DEFAULTS["batch_size"]
-  learning_rate: float = DEFAULTS["learning_rate"]
-  seed: int = 0
-  seq_len: int = 64
-  d_model: int = 64
-  num_heads: int = 4
-  num_layers: int = 2
-  remat: bool = True
-  attention_policy: str = ""
-  log_every: int = DEFAULTS["log_every"]
-
-
-def make_model(config: Config, vocab_size: int) -> hk.Transformed:
-
-  def forward(tokens):
-    return CharTransformer(vocab_size, config.d_model, config.num_heads,
-                           config.num_layers, config.seq_len,
-                           remat=config.remat, name="transformer")(tokens)
-
-  return mpolicy.transform_amp(forward)
-
-
-def lm_loss(model: hk.Transformed, params, batch) -> tuple[jax.Array, Any]:
-  """Mean next-character cross-entropy (float32) and the accuracy."""
-  inputs, targets = batch[:, :-1], batch[:, 1:]
-  logits = model.apply(params, None, inputs).astype(jnp.float32)
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = jnp.argmax(logits, -1) == targets
-  return loss.mean(), correct.mean()
-
-
-def train(config: Config, mp: common.MixedPrecision,
-          corpus: Optional[Corpus] = None, label: Optional[str] = None,
-          callback: Optional[Callable[[int, Any], None]] = None
-          ) -> common.RunResult:
-  """Trains the LM under the policies in `mp` (and `attention_policy`)."""
-  corpus = load_corpus() if corpus is None else corpus
-  label = mp.label if label is None else label
-  with contextlib.ExitStack() as policies:
-    policies.enter_context(mpolicy.push_policy(CharTransformer, mp.policy))
-    policies.enter_context(mpolicy.push_policy(hk.LayerNorm, mp.norm_policy))
-    if config.attention_policy:
-      policies.enter_context(mpolicy.push_policy(ATTENTION_PATTERN,
-                                                 config.attention_policy))
-      label += "+attn:" + common.compute_name(config.attention_policy)
-    model = make_model(config, len(corpus.vocab))
-    rng = np.random.RandomState(config.seed)
-    starts = rng.randint(0, len(corpus.train) - config.seq_len - 1,
-                         size=(config.steps, config.batch_size))
-    params = model.init(jax.random.PRNGKey(config.seed),
-                        windows(corpus.train, starts[0], config.seq_len)[:, :-1])
-    tx = optax.adam(config.learning_rate)
-    if mp.skip_nonfinite:
-      tx = mpolicy.skip_nonfinite(tx)
+def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
+          policy: str = "p=f32,c=bf16,o=f32", norm_policy: str = "full",
+          attention_policy: str = "", scale_type: str = "NoOp",
+          scale_value: float = 2.0**15, steps: int = 300, batch_size: int = 32,
+          learning_rate: float = 3e-3, seed: int = 0,
+          log_every: int = 50) -> mp_report.Run:
+  """Trains the LM under the given policies; returns the run's record."""
+  name = mp_report.label(policy, scale_type)
+  if attention_policy:
+    name += "+attn:" + mp_report.label(attention_policy)
+  with policies(policy, norm_policy, attention_policy):
+    model = mpolicy.transform_amp(make_forward(len(corpus.vocab), config))
     grad_fn = mpolicy.scaled_value_and_grad(
-        lambda p, b: lm_loss(model, p, b), has_aux=True)
+        lambda p, b: lm_loss(model.apply, p, b), has_aux=True)
+    optimizer = mpolicy.skip_nonfinite(optax.adam(learning_rate))
 
     @jax.jit
     def train_step(params, opt_state, loss_scale, batch):
+      # scale -> grad -> unscale -> finite? -> adjust the scale, in one call.
       loss_scale, finite, (loss, _), grads = grad_fn(loss_scale, params, batch)
-      extra = dict(grads_finite=finite) if mp.skip_nonfinite else {}
-      updates, opt_state = tx.update(grads, opt_state, params, **extra)
-      return (optax.apply_updates(params, updates), opt_state, loss_scale,
-              loss, finite)
+      # skip_nonfinite leaves params and optimizer state as they were if not.
+      updates, opt_state = optimizer.update(grads, opt_state, params,
+                                            grads_finite=finite)
+      params = optax.apply_updates(params, updates)
+      return params, opt_state, loss_scale, loss, finite
 
-    def step(carry, i):
-      params, opt_state, loss_scale = carry
+    starts = sample_starts(corpus.train, config.seq_len, steps, batch_size,
+                           seed)
+    params = model.init(jax.random.PRNGKey(seed),
+                        windows(corpus.train, starts[0], config.seq_len)[:, :-1])
+    opt_state = optimizer.init(params)
+    loss_scale = mp_flags.make_loss_scale(scale_type, scale_value)
+    log = mp_report.Log(name, steps, log_every)
+    for i in range(steps):
       batch = windows(corpus.train, starts[i], config.seq_len)
       params, opt_state, loss_scale, loss, finite = train_step(
           params, opt_state, loss_scale, batch)
-      return ((params, opt_state, loss_scale),
-              common.StepInfo(loss, loss_scale.loss_scale, finite))
+      log.record(loss, loss_scale.loss_scale, finite)
 
-    carry = (params, tx.init(params), mp.loss_scale())
-    carry, history, compile_time, train_time = common.train_loop(
-        step, carry, config.steps, label=label, log_every=config.log_every,
-        skip_nonfinite=mp.skip_nonfinite, callback=callback)
-    params = carry[0]
-    test_starts = np.arange(0, len(corpus.test) - config.seq_len - 1,
-                            config.seq_len)[:128]
-    test_batch = windows(corpus.test, test_starts, config.seq_len)
-    test_loss, test_acc = jax.jit(lambda p, b: lm_loss(model, p, b))(
-        params, test_batch)
-    metrics = {"test accuracy": float(test_acc), "test loss": float(test_loss),
-               "final loss": float(np.mean(history.loss[-10:]))}
-    explained = common.explain_summary(model.apply, params, None,
-                                       test_batch[:2, :-1])
-  return common.RunResult(label, mp, metrics, train_time, compile_time,
-                          history, explained, final=params)
+    metrics = evaluate(model.apply, params, corpus, config.seq_len)
+    metrics["final loss"] = float(np.mean(log.loss[-10:]))
+    explained = mp_report.explain_summary(
+        model.apply, params, None, windows(corpus.test, np.zeros(2, int),
+                                           config.seq_len)[:, :-1])
+  return mp_report.Run(name, policy, scale_type, metrics, log, explained)
 
 
-def config_from_flags() -> Config:
-  return Config(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
-                learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-                seq_len=FLAGS.seq_len, d_model=FLAGS.d_model,
-                num_heads=FLAGS.num_heads, num_layers=FLAGS.num_layers,
-                remat=FLAGS.remat, attention_policy=FLAGS.attention_policy,
-                log_every=FLAGS.log_every)
-
-
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  common.set_defaults(**DEFAULTS)
-  config = config_from_flags()
-  mp = common.MixedPrecision.from_flags()
+def load_corpus_from_flags(seq_len: int) -> Corpus:
+  """The `--corpus_files` corpus; a usage error if it is too short."""
   corpus = load_corpus(FLAGS.corpus_files)
+  if len(corpus.test) < seq_len + 2:
+    raise app.UsageError(
+        f"--corpus_files: the text has {len(corpus.train) + len(corpus.test)} "
+        f"characters, too few for --seq_len={seq_len} (its last 10% is the "
+        "test set, which needs more than one window): add files.")
+  return corpus
+
+
+def main() -> None:
+  config = ModelConfig.from_flags()
+  corpus = load_corpus_from_flags(config.seq_len)
   print(f"corpus: {len(corpus.train)} train / {len(corpus.test)} test "
-        f"characters, vocabulary of {len(corpus.vocab)}; {config.steps} steps "
-        f"of {config.batch_size}x{config.seq_len}, jax {jax.__version__} on "
+        f"characters, vocabulary of {len(corpus.vocab)}; {FLAGS.steps} steps "
+        f"of {FLAGS.batch_size}x{config.seq_len}, jax {jax.__version__} on "
         f"{jax.default_backend()}")
+  settings = dict(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
+                  learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+                  log_every=FLAGS.log_every)
   runs = []
   if FLAGS.compare:
-    runs.append(dataclasses.replace(config, attention_policy=""))
-  runs.append(config)
-  mps = ([common.MixedPrecision.float32(mp.skip_nonfinite)] if FLAGS.compare
-         else []) + [mp]
-  results = [train(c, m, corpus) for c, m in zip(runs, mps)]
+    runs.append(train(corpus, config, policy="full", **settings))
+  runs.append(train(corpus, config, policy=FLAGS.mp_policy,
+                    norm_policy=FLAGS.mp_bn_policy,
+                    attention_policy=FLAGS.attention_policy,
+                    scale_type=FLAGS.mp_scale_type,
+                    scale_value=FLAGS.mp_scale_value, **settings))
   print()
-  common.report(results, METRICS, FLAGS.plot,
-                title="char transformer: "
-                + " vs ".join(r.label for r in results))
+  mp_report.summary(runs, METRICS)
+  if FLAGS.plot:
+    mp_report.plot(runs, FLAGS.plot, "char transformer: "
+                   + " vs ".join(r.name for r in runs))
 
-
-flags.register_validator(
-    "num_heads", lambda v: v >= 1, message="--num_heads must be at least 1.")
-flags.register_multi_flags_validator(
-    ["d_model", "num_heads"],
-    lambda f: f["d_model"] % f["num_heads"] == 0,
-    message="--d_model must be a multiple of --num_heads.")
 
 if __name__ == "__main__":
-  common.run(main, DEFAULTS)
+  mp_flags.run(main, steps=300, batch_size=32, learning_rate=3e-3,
+               log_every=50)

@@ -1,31 +1,32 @@
 r"""A CNN with BatchNorm on scikit-learn's handwritten digits, in mixed precision.
 
-The digits (8x8 images, 1797 of them) ship inside scikit-learn: no download.
-The model runs under `--mp_policy` (bfloat16 compute by default) while its
-BatchNorm layers run under `--mp_bn_policy` (float32 by default), wired the
-way Haiku's ImageNet example does it:
+The main job: trains a float32 baseline and a bfloat16 run with the same
+seed and batches, then prints a table of both. Run it as a file, from any
+directory:
 
-  mpolicy.set_policy(hk.BatchNorm, bn_policy)   # class rule wins inside...
-  mpolicy.set_policy(DigitsCNN, policy)         # ...the model's policy
-  f = mpolicy.transform_amp_with_state(forward) # BatchNorm has state
-
-(here with `push_policy`, so several runs in one process stay independent).
-
-With `--compare` (the default) it also trains a float32 baseline with the
-same seed and prints a markdown table:
-
-  python -m examples.digits_cnn                     # bf16 vs f32
-  python -m examples.digits_cnn --mp_policy=p=f32,c=f16,o=f32 \
+  python examples/digits_cnn.py
+  python examples/digits_cnn.py --mp_policy=p=f32,c=f16,o=f32 \
       --mp_scale_type=Dynamic --plot=/tmp/digits.png
+
+The model runs under `--mp_policy` (bfloat16 compute by default) and its
+BatchNorm layers under `--mp_bn_policy` (float32 by default), the way
+Haiku's ImageNet example wires them:
+
+  mpolicy.set_policy(DigitsCNN, policy)         # the model...
+  mpolicy.set_policy(hk.BatchNorm, bn_policy)   # ...but BatchNorm in float32
+  model = mpolicy.transform_amp_with_state(forward)
+
+(`train` uses `push_policy`, so that two runs in one process stay apart.)
+The step is `mpolicy.make_train_step(loss_fn, optimizer, has_state=True)`:
+loss-scaled gradients, and an update applied only when they are finite,
+BatchNorm's moving averages included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Optional
 
-from absl import app
 from absl import flags
 import haiku as hk
 import jax
@@ -34,58 +35,27 @@ import numpy as np
 import optax
 
 import mpolicy
-from examples import common
+
+# Sibling modules in examples/ (the script's directory is on sys.path).
+import digits_data
+import mp_flags
+import mp_report
 
 FLAGS = flags.FLAGS
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too.
-
+flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
+mp_flags.define_bn_policy()
 flags.DEFINE_list("channels", ["32", "64"],
                   "Output channels of the conv layers (each followed by "
-                  "BatchNorm and ReLU).")
+                  "BatchNorm, ReLU and 2x2 max pooling).")
+flags.register_validator(
+    "channels", lambda v: bool(v) and all(c.isdigit() and int(c) > 0 for c in v),
+    message="--channels must be a comma-separated list of positive integers.")
 
-DEFAULTS = dict(steps=400, batch_size=64, learning_rate=3e-3, log_every=100,
-                compare=True)
 METRICS = ("test accuracy", "final loss")
 
 
-# --- Data ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Digits:
-  """The digits, split 80/20 (stratified, fixed seed), images in [0, 1]."""
-  x_train: np.ndarray  # [N, 8, 8, 1] float32
-  y_train: np.ndarray  # [N] int32
-  x_test: np.ndarray
-  y_test: np.ndarray
-
-
-def load_digits(split_seed: int = 0) -> Digits:
-  """Loads scikit-learn's bundled digits; the split does not use --seed."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  from sklearn import model_selection  # pylint: disable=g-import-not-at-top
-  data = datasets.load_digits()
-  x = (data.images / 16.0).astype(np.float32)[..., None]
-  y = data.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = model_selection.train_test_split(
-      x, y, test_size=0.2, random_state=split_seed, stratify=y)
-  return Digits(x_train, y_train, x_test, y_test)
-
-
-def batch_indices(num_examples: int, batch_size: int, steps: int,
-                  seed: int) -> np.ndarray:
-  """[steps, batch_size] indices: shuffled epochs, deterministic in `seed`."""
-  rng = np.random.RandomState(seed)
-  epochs = -(-steps * batch_size // num_examples)
-  order = np.concatenate([rng.permutation(num_examples) for _ in range(epochs)])
-  return order[:steps * batch_size].reshape(steps, batch_size)
-
-
-# --- Model ---------------------------------------------------------------------
-
-
 class DigitsCNN(hk.Module):
-  """Conv -> BatchNorm -> ReLU blocks, 2x2 max pooling after each, a linear head."""
+  """Conv -> BatchNorm -> ReLU -> max pool blocks, then a linear head."""
 
   def __init__(self, channels: Sequence[int] = (32, 64), num_classes: int = 10,
                name: Optional[str] = None):
@@ -104,163 +74,90 @@ class DigitsCNN(hk.Module):
     return hk.Linear(self.num_classes, name="logits")(x)
 
 
-def make_model(channels: Sequence[int]) -> hk.TransformedWithState:
-  """The CNN under `transform_amp_with_state` (BatchNorm has state)."""
-
-  def forward(x, is_training):
-    return DigitsCNN(channels)(x, is_training)
-
-  return mpolicy.transform_amp_with_state(forward)
-
-
-# --- Training ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """Everything a run depends on besides the mixed precision settings."""
-  steps: int = DEFAULTS["steps"]
-  batch_size: int = DEFAULTS["batch_size"]
-  learning_rate: float = DEFAULTS["learning_rate"]
-  seed: int = 0
-  channels: tuple[int, ...] = (32, 64)
-  log_every: int = DEFAULTS["log_every"]
-
-
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean softmax cross-entropy, computed in float32."""
   return optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), labels).mean()
 
 
-def make_train_step(model: hk.TransformedWithState,
-                    optimizer: optax.GradientTransformation,
-                    skip_nonfinite: bool) -> Callable[..., Any]:
-  """A jitted step: loss-scaled grads, then an update skipped if not finite.
+def train(data: digits_data.Digits, *, policy: str = "p=f32,c=bf16,o=f32",
+          bn_policy: str = "full", scale_type: str = "NoOp",
+          scale_value: float = 2.0**15, steps: int = 400, batch_size: int = 64,
+          learning_rate: float = 3e-3, seed: int = 0,
+          channels: Sequence[int] = (32, 64), log_every: int = 100,
+          callback: Optional[Callable[..., None]] = None) -> mp_report.Run:
+  """Trains the CNN under `policy` (BatchNorm under `bn_policy`).
 
-  `mpolicy.scaled_value_and_grad` does scale -> grad -> unscale -> finite
-  check -> scale adjustment in one call; `optimizer` is expected to be
-  wrapped in `mpolicy.skip_nonfinite` when `skip_nonfinite` is set, and the
-  BatchNorm state is kept too on a skipped step.
+  `callback(step, params, state)` runs after every step (tests use it).
   """
+  name = mp_report.label(policy, scale_type)
+  # Policies are read when the model is traced: trace (and so compile) the
+  # step inside the pushes.
+  with mpolicy.push_policy(DigitsCNN, policy), \
+       mpolicy.push_policy(hk.BatchNorm, bn_policy):
+    model = mpolicy.transform_amp_with_state(
+        lambda x, is_training: DigitsCNN(channels)(x, is_training))
 
-  def loss_fn(params, state, x, y):
-    logits, new_state = model.apply(params, state, None, x, is_training=True)
-    return cross_entropy(logits, y), new_state
+    def loss_fn(params, state, x, y):
+      logits, state = model.apply(params, state, None, x, is_training=True)
+      return cross_entropy(logits, y), state
 
-  grad_fn = mpolicy.scaled_value_and_grad(loss_fn, has_aux=True)
+    optimizer = optax.adam(learning_rate)
+    # scale -> grad -> unscale -> finite? -> adjust the scale, then the
+    # update only if finite (params, optimizer and BatchNorm state are kept
+    # as they were on a non-finite step, and the loss scale backs off).
+    train_step = jax.jit(
+        mpolicy.make_train_step(loss_fn, optimizer, has_state=True))
 
-  @jax.jit
-  def step(params, state, opt_state, loss_scale, x, y):
-    loss_scale, finite, (loss, new_state), grads = grad_fn(
-        loss_scale, params, state, x, y)
-    if skip_nonfinite:
-      updates, opt_state = optimizer.update(grads, opt_state, params,
-                                            grads_finite=finite)
-      new_state = mpolicy.select_tree(finite, new_state, state)
-    else:
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, new_state, opt_state, loss_scale, loss, finite
-
-  return step
-
-
-def make_optimizer(learning_rate: float, skip_nonfinite: bool):
-  tx = optax.adam(learning_rate)
-  return mpolicy.skip_nonfinite(tx) if skip_nonfinite else tx
-
-
-def accuracy(model: hk.TransformedWithState, params, state, x, y) -> float:
-  """Test accuracy with BatchNorm's moving averages."""
-  logits, _ = jax.jit(
-      lambda p, s, x: model.apply(p, s, None, x, is_training=False))(
-          params, state, x)
-  return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
-
-
-def train(config: Config, mp: common.MixedPrecision,
-          data: Optional[Digits] = None, label: Optional[str] = None,
-          callback: Optional[Callable[[int, Any], None]] = None
-          ) -> common.RunResult:
-  """Trains the CNN under the policies in `mp`; returns the run's record.
-
-  `callback(step, (params, state, opt_state, loss_scale))` runs after every
-  step. The registry entries are pushed for this run only, and everything
-  is traced inside the push, since policies are read at trace time.
-  """
-  data = load_digits() if data is None else data
-  label = mp.label if label is None else label
-  with mpolicy.push_policy(DigitsCNN, mp.policy), \
-       mpolicy.push_policy(hk.BatchNorm, mp.norm_policy):
-    model = make_model(config.channels)
-    params, state = model.init(jax.random.PRNGKey(config.seed),
-                               data.x_train[:config.batch_size], True)
-    optimizer = make_optimizer(config.learning_rate, mp.skip_nonfinite)
+    params, state = model.init(jax.random.PRNGKey(seed),
+                               data.x_train[:batch_size], True)
     opt_state = optimizer.init(params)
-    train_step = make_train_step(model, optimizer, mp.skip_nonfinite)
-    indices = batch_indices(len(data.y_train), config.batch_size,
-                            config.steps, config.seed)
+    loss_scale = mp_flags.make_loss_scale(scale_type, scale_value)
+    log = mp_report.Log(name, steps, log_every)
+    order = digits_data.batches(len(data.y_train), batch_size, steps, seed)
+    for i, idx in enumerate(order):
+      out = train_step(params, state, opt_state, loss_scale,
+                       data.x_train[idx], data.y_train[idx])
+      params, state = out.params, out.model_state
+      opt_state, loss_scale = out.opt_state, out.loss_scale
+      log.record(out.value, loss_scale.loss_scale, out.grads_finite)
+      if callback is not None:
+        callback(i, params, state)
 
-    def step(carry, i):
-      idx = indices[i]
-      params, state, opt_state, loss_scale = carry
-      params, state, opt_state, loss_scale, loss, finite = train_step(
-          params, state, opt_state, loss_scale, data.x_train[idx],
-          data.y_train[idx])
-      info = common.StepInfo(loss, loss_scale.loss_scale, finite)
-      return (params, state, opt_state, loss_scale), info
-
-    carry = (params, state, opt_state, mp.loss_scale())
-    carry, history, compile_time, train_time = common.train_loop(
-        step, carry, config.steps, label=label, log_every=config.log_every,
-        skip_nonfinite=mp.skip_nonfinite, callback=callback)
-    params, state, _, _ = carry
+    # Evaluation uses BatchNorm's moving averages.
+    logits, _ = jax.jit(model.apply, static_argnums=4)(
+        params, state, None, data.x_test, False)
     metrics = {
-        "test accuracy": accuracy(model, params, state, data.x_test,
-                                  data.y_test),
-        "final loss": float(np.mean(history.loss[-10:])),
+        "test accuracy": float(np.mean(np.argmax(logits, -1) == data.y_test)),
+        "final loss": float(np.mean(log.loss[-10:])),
     }
-    explained = common.explain_summary(model.apply, params, state, None,
-                                       data.x_test[:8], False)
-  return common.RunResult(label, mp, metrics, train_time, compile_time,
-                          history, explained, final=(params, state))
+    explained = mp_report.explain_summary(model.apply, params, state, None,
+                                          data.x_test[:8], False)
+  return mp_report.Run(name, policy, scale_type, metrics, log, explained)
 
 
-def config_from_flags() -> Config:
-  return Config(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
-                learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-                channels=tuple(int(c) for c in FLAGS.channels),
-                log_every=FLAGS.log_every)
-
-
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  common.set_defaults(**DEFAULTS)
-  config = config_from_flags()
-  mp = common.MixedPrecision.from_flags()
-  data = load_digits()
+def main() -> None:
+  data = digits_data.load_digits()
   print(f"digits: {len(data.y_train)} train / {len(data.y_test)} test images, "
-        f"{config.steps} steps of {config.batch_size}, "
+        f"{FLAGS.steps} steps of {FLAGS.batch_size}, "
         f"jax {jax.__version__} on {jax.default_backend()}")
+  settings = dict(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
+                  learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+                  channels=[int(c) for c in FLAGS.channels],
+                  log_every=FLAGS.log_every)
   runs = []
   if FLAGS.compare:
-    runs.append(common.MixedPrecision.float32(mp.skip_nonfinite))
-  runs.append(mp)
-  results = [train(config, run, data) for run in runs]
+    runs.append(train(data, policy="full", bn_policy="full", **settings))
+  runs.append(train(data, policy=FLAGS.mp_policy, bn_policy=FLAGS.mp_bn_policy,
+                    scale_type=FLAGS.mp_scale_type,
+                    scale_value=FLAGS.mp_scale_value, **settings))
   print()
-  common.report(results, METRICS, FLAGS.plot,
-                title="digits CNN: " + " vs ".join(r.label for r in results))
+  mp_report.summary(runs, METRICS)
+  if FLAGS.plot:
+    mp_report.plot(runs, FLAGS.plot, "digits CNN: "
+                   + " vs ".join(r.name for r in runs))
 
-
-def _validate_channels(values: Sequence[str]) -> bool:
-  return bool(values) and all(v.isdigit() and int(v) > 0 for v in values)
-
-
-flags.register_validator(
-    "channels", _validate_channels,
-    message="--channels must be a comma-separated list of positive integers.")
 
 if __name__ == "__main__":
-  common.run(main, DEFAULTS)
+  mp_flags.run(main, steps=400, batch_size=64, learning_rate=3e-3,
+               compare=True)

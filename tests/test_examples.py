@@ -1,7 +1,9 @@
-"""The examples run end to end, and their flags fail early and clearly.
+"""The examples run end to end as files, and their flags fail early and clearly.
 
-Fast tests run each example as a user would (`python -m examples.<name>`)
-with a few tiny steps. Slow tests (`-m slow`) call the training functions in
+Fast tests run each example as a user would, `python examples/<name>.py`,
+from another directory, with a few tiny steps. The Flax and Equinox
+examples are skipped where those packages are not installed (the `test`
+extra installs them). Slow tests (`-m slow`) call the training functions in
 process: bfloat16 matches float32 on the digits, and float16 with a dynamic
 loss scale never puts a NaN into the params.
 """
@@ -11,21 +13,26 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mpolicy
+
+from _helpers import all_eqns, multiplies_in
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path[:1]:
-  # The repository's `examples` package, ahead of any other on the path.
-  sys.path.insert(0, ROOT)
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def run_example(module, *args, timeout=240):
+def run_example(name, *args, cwd, timeout=300):
+  """Runs examples/<name>.py as a script in `cwd`; (returncode, out, err)."""
+  # PYTHONPATH only makes sure this checkout's mpolicy is the one imported.
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
              + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.run(
-      [sys.executable, "-m", f"examples.{module}", *args], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=timeout)
+      [sys.executable, os.path.join(EXAMPLES, f"{name}.py"), *args], cwd=cwd,
+      env=env, capture_output=True, text=True, timeout=timeout)
   return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -33,78 +40,217 @@ def assert_ok(rc, out, err):
   assert rc == 0, f"exit {rc}\nstdout:\n{out}\nstderr:\n{err}"
 
 
+def import_example(name):
+  """Imports examples/<name>.py in this process (its siblings too)."""
+  if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+  return __import__(name)
+
+
+def bf16_dots(fn, *args):
+  """How many matmuls of `fn`'s jaxpr multiply in bfloat16."""
+  return sum(1 for e in all_eqns(fn, *args)
+             if "dot_general" in e.primitive.name
+             and multiplies_in(e) == (np.dtype(jnp.bfloat16),) * 2)
+
+
+# --- Each example, as a file, from another directory --------------------------
+
+
 def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   png = tmp_path / "digits.png"
   rc, out, err = run_example("digits_cnn", "--steps=3", "--batch_size=16",
                              "--log_every=1", "--channels=4,8",
-                             f"--plot={png}")
+                             f"--plot={png}", cwd=tmp_path)
   assert_ok(rc, out, err)
-  assert "| run | policy | loss scale | test accuracy | final loss |" in out
+  assert ("| run | policy | loss scale | test accuracy | final loss | "
+          "skipped steps | compile (s) | train time (s) | explain |") in out
   assert "| f32 | p=f32,c=f32,o=f32 | NoOp |" in out
   assert "| bf16 | p=f32,c=bf16,o=f32 | NoOp |" in out
+  assert "bfloat16" in out.split("| bf16 |")[1].splitlines()[0]  # explain
   assert "[bf16] test accuracy:" in out
   assert "[bf16] step     3/3" in out
   assert png.stat().st_size > 0
 
 
-def test_char_transformer_with_attention_policy_and_dynamic_scale():
+def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   rc, out, err = run_example(
       "char_transformer", "--steps=2", "--batch_size=2", "--seq_len=8",
       "--d_model=8", "--num_heads=2", "--num_layers=1", "--log_every=1",
-      "--attention_policy=full", "--mp_scale_type=Dynamic")
+      "--attention_policy=full", "--mp_scale_type=Dynamic", cwd=tmp_path)
   assert_ok(rc, out, err)
-  assert "| bf16+dynamic+attn:f32 | p=f32,c=bf16,o=f32 | Dynamic" in out
-  assert "test accuracy:" in out
+  assert "| bf16+dynamic+attn:f32 | p=f32,c=bf16,o=f32 | Dynamic |" in out
+  assert "| f32 |" not in out  # No --compare: no baseline.
+  assert "[bf16+dynamic+attn:f32] test accuracy:" in out
 
 
-def test_loss_scaling_lesson_prints_underflow_table():
-  rc, out, err = run_example("loss_scaling_lesson", "--steps=2",
-                             "--batch_size=8", "--channels=4",
-                             "--measure_every=1", "--log_every=0")
+LESSON_TINY = ("--steps=3", "--batch_size=2", "--seq_len=8", "--d_model=8",
+               "--num_heads=2", "--num_layers=1", "--log_every=0")
+
+
+def test_loss_scaling_lesson_reports_underflow_for_three_runs(tmp_path):
+  png = tmp_path / "lesson.png"
+  rc, out, err = run_example("loss_scaling_lesson", *LESSON_TINY,
+                             f"--plot={png}", cwd=tmp_path)
   assert_ok(rc, out, err)
-  assert "| run | policy | loss scale | grads underflowed (mean) |" in out
-  assert "| f16+dynamic | p=f32,c=f16,o=f32 | Dynamic" in out
+  assert ("| run | loss scale | underflowed logit grads (mean) | "
+          "underflowed logit grads (last 10 steps) |") in out
+  rows = [l for l in out.splitlines() if l.startswith("| f")]
+  assert [r.split(" | ")[0] for r in rows] == ["| f32", "| f16",
+                                               "| f16+dynamic"]
+  assert rows[0].split(" | ")[2] == "—"  # float32 has nothing to flush.
+  assert rows[1].split(" | ")[2].endswith("%")
+  assert png.stat().st_size > 0
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--mp_scale_type=Bogus",
+def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
+  rc, out, err = run_example("loss_scaling_lesson", *LESSON_TINY,
+                             "--nocompare", "--mp_scale_type=NoOp",
+                             cwd=tmp_path)
+  assert_ok(rc, out, err)
+  rows = [l for l in out.splitlines() if l.startswith("| f")]
+  assert [r.split(" | ")[0] for r in rows] == ["| f16"]
+
+
+def test_lesson_counts_the_logit_gradients_float16_flushes():
+  lesson = import_example("loss_scaling_lesson")
+  # Two positions with logits (0, -20): the second class's gradient is
+  # e**-20 / 4 = 5e-10, below float16's range; the first is exactly 0 in
+  # float32 (1 - 2e-9 rounds to 1). Two positions with logits (0, 0):
+  # gradients +-1/8. So 2 of the 6 nonzero entries flush without a scale.
+  logits = jnp.array([[[0., -20.], [0., 0.]]] * 2)
+  targets = jnp.zeros((2, 2), jnp.int32)
+  percent = lambda scale, dtype: float(lesson.underflowed_percent(
+      logits, targets, scale, dtype))
+  assert percent(1., jnp.float16) == pytest.approx(100 * 2 / 6)
+  assert percent(2.**15, jnp.float16) == 0.
+  assert percent(1., jnp.bfloat16) == 0.
+
+
+# --- Bad flags: a clear message at start-up, no traceback ---------------------
+
+
+@pytest.mark.parametrize("example, flag, message", [
+    ("digits_cnn", "--mp_scale_type=Bogus",
      "flag --mp_scale_type=Bogus: value should be one of <NoOp|Static|Dynamic>"),
-    ("--mp_policy=p=f17", "flag --mp_policy=p=f17:"),
-    ("--mp_bn_policy=fulll", "flag --mp_bn_policy=fulll:"),
+    ("digits_cnn", "--mp_policy=p=f17", "flag --mp_policy=p=f17:"),
+    ("digits_cnn", "--mp_bn_policy=fulll", "flag --mp_bn_policy=fulll:"),
+    ("digits_cnn", "--channels=4,x", "--channels must be a comma-separated"),
+    ("char_transformer", "--corpus_files=bisect.py,missing.py",
+     "no such file: missing.py"),
+    ("char_transformer", "--attention_policy=c=f17",
+     "flag --attention_policy=c=f17:"),
+    ("loss_scaling_lesson", "--d_model=10", "--d_model must be a multiple"),
 ])
-def test_bad_flag_fails_at_start_up(flag, message):
-  rc, out, err = run_example("digits_cnn", flag, "--steps=1", timeout=60)
+def test_bad_flag_fails_at_start_up(tmp_path, example, flag, message):
+  rc, out, err = run_example(example, flag, "--steps=1", cwd=tmp_path,
+                             timeout=120)
   assert rc != 0
   assert "FATAL Flags parsing error" in err
   assert message in err
+  assert "Traceback" not in err
   assert "step" not in out  # Nothing trained.
 
 
-def test_bad_policy_message_quotes_get_policy():
+def test_bad_policy_message_quotes_get_policy(tmp_path):
   rc, _, err = run_example("char_transformer", "--attention_policy=c=f17",
-                           timeout=60)
+                           cwd=tmp_path, timeout=120)
   assert rc != 0
-  assert "FATAL Flags parsing error: flag --attention_policy=c=f17:" in err
   assert "f17" in err.split("flag --attention_policy=c=f17:")[1]
 
 
-# --- Slow checks, in process -------------------------------------------------
+# --- The shared report ---------------------------------------------------------
+
+
+def test_plot_has_a_panel_per_series_and_a_difference_panel(tmp_path):
+  report = import_example("mp_report")
+  import matplotlib.image  # pylint: disable=g-import-not-at-top
+
+  def run(name, scale_type, losses, extra=None):
+    log = report.Log(name, len(losses), log_every=0)
+    for i, loss in enumerate(losses):
+      log.record(loss, 1., True, **({k: v[i] for k, v in extra.items()}
+                                     if extra else {}))
+    return report.Run(name, "full", scale_type, {}, log)
+
+  runs = [run("f32", "NoOp", [2., 1.]),
+          run("f16", "Dynamic", [2., 1.], {"underflow": [0., 5.]})]
+  height = lambda name: matplotlib.image.imread(tmp_path / name).shape[0]
+  report.plot(runs, str(tmp_path / "two.png"))
+  report.plot(runs[:1], str(tmp_path / "one.png"))
+  # 2.6 inches at 100 dpi per panel: loss, difference, scale, underflow.
+  assert height("two.png") == 4 * 260
+  assert height("one.png") == 260  # Just the loss: no scale, no extras.
+
+
+# --- Flax and Equinox ------------------------------------------------------------
+
+
+def test_flax_example_runs_as_a_file(tmp_path):
+  pytest.importorskip("flax")
+  rc, out, err = run_example("flax_mlp", "--steps=3", "--batch_size=16",
+                             "--log_every=1", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert "| f32 | p=f32,c=f32,o=f32 | NoOp |" in out
+  assert "| bf16 | p=f32,c=bf16,o=f32 | NoOp |" in out
+  assert "[bf16] step     3/3" in out
+
+
+def test_flax_example_step_multiplies_in_bfloat16_and_updates_stats():
+  pytest.importorskip("flax")
+  flax_mlp = import_example("flax_mlp")
+  params, stats, opt_state, step, _ = flax_mlp.setup("p=f32,c=bf16,o=f32",
+                                                     hidden=16)
+  x, y = jnp.ones((8, 64)), jnp.arange(8) % 10
+  ls = mpolicy.NoOpLossScale()
+  # Forward and backward of both layers.
+  assert bf16_dots(step, params, stats, opt_state, ls, x, y) >= 4
+  f32_step = flax_mlp.setup("full", hidden=16)[3]
+  assert bf16_dots(f32_step, params, stats, opt_state, ls, x, y) == 0
+  out = step(params, stats, opt_state, ls, x * jnp.arange(64.), y)
+  assert bool(out.grads_finite)
+  mean = out.model_state["norm"]["mean"][...]
+  assert mean.dtype == jnp.float32 and float(jnp.abs(mean).max()) > 0
+
+
+def test_equinox_example_runs_as_a_file(tmp_path):
+  pytest.importorskip("equinox")
+  rc, out, err = run_example("equinox_mlp", "--steps=3", "--batch_size=16",
+                             "--log_every=1", "--nocompare",
+                             "--mp_policy=p=f32,c=f16,o=f32",
+                             "--mp_scale_type=Dynamic", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert "| f16+dynamic | p=f32,c=f16,o=f32 | Dynamic |" in out
+  assert "| f32 |" not in out
+
+
+def test_equinox_example_step_multiplies_in_bfloat16():
+  pytest.importorskip("equinox")
+  equinox_mlp = import_example("equinox_mlp")
+  model, opt_state, step, forward = equinox_mlp.setup("p=f32,c=bf16,o=f32",
+                                                      hidden=16)
+  x, y = jnp.ones((8, 64)), jnp.arange(8) % 10
+  ls = mpolicy.DynamicLossScale(jnp.float32(2.**15))
+  assert bf16_dots(step, model, opt_state, ls, x, y) >= 4
+  assert forward(model, x).dtype == jnp.float32
+  new_model, _, _, loss, finite = step(model, opt_state, ls, x, y)
+  assert bool(finite) and np.isfinite(float(loss))
+  assert not np.array_equal(new_model.hidden.weight, model.hidden.weight)
+
+
+# --- Slow checks, in process ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def digits():
-  from examples import digits_cnn  # pylint: disable=g-import-not-at-top
-  return digits_cnn, digits_cnn.load_digits()
+  return import_example("digits_cnn"), import_example("digits_data").load_digits()
 
 
 @pytest.mark.slow
 def test_bfloat16_accuracy_within_half_a_point_of_float32(digits):
   digits_cnn, data = digits
-  from examples import common  # pylint: disable=g-import-not-at-top
-  config = digits_cnn.Config(log_every=0)
-  f32 = digits_cnn.train(config, common.MixedPrecision.float32(), data)
-  bf16 = digits_cnn.train(
-      config, common.MixedPrecision(policy="p=f32,c=bf16,o=f32"), data)
+  f32 = digits_cnn.train(data, policy="full", log_every=0)
+  bf16 = digits_cnn.train(data, policy="p=f32,c=bf16,o=f32", log_every=0)
   acc32 = 100 * f32.metrics["test accuracy"]
   acc16 = 100 * bf16.metrics["test accuracy"]
   assert acc32 > 95
@@ -115,22 +261,19 @@ def test_bfloat16_accuracy_within_half_a_point_of_float32(digits):
 @pytest.mark.parametrize("initial_scale", [2.0**15, 2.0**30])
 def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
   digits_cnn, data = digits
-  from examples import common  # pylint: disable=g-import-not-at-top
   bad_steps = []
 
-  def check(step, carry):
-    params, state, _, _ = carry
+  def check(step, params, state):
     leaves = jax.tree_util.tree_leaves((params, state))
     if not all(np.isfinite(np.asarray(x)).all() for x in leaves):
       bad_steps.append(step)
 
-  mp = common.MixedPrecision(policy="p=f32,c=f16,o=f32", scale_type="Dynamic",
-                             scale_value=initial_scale)
-  result = digits_cnn.train(digits_cnn.Config(log_every=0), mp, data,
-                            callback=check)
+  result = digits_cnn.train(data, policy="p=f32,c=f16,o=f32",
+                            scale_type="Dynamic", scale_value=initial_scale,
+                            log_every=0, callback=check)
   assert not bad_steps, f"non-finite params after steps {bad_steps[:5]}"
-  assert all(np.isfinite(result.history.loss_scale))
+  assert all(np.isfinite(result.log.scale))
   if initial_scale > 2.0**20:  # Too big for float16: it must have backed off.
-    assert result.history.nonfinite_steps > 0
-    assert result.history.loss_scale[-1] < initial_scale
+    assert result.log.skipped > 0
+    assert result.log.scale[-1] < initial_scale
   assert result.metrics["test accuracy"] > 0.95

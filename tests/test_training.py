@@ -307,6 +307,104 @@ def test_make_train_step_skips_and_backs_off():
   assert bool(out.grads_finite) and int(out.opt_state[0].count) == 1
 
 
+def _loss_with_state(params, model_state, x, y, factors):
+  """The MLP loss, and a state that counts calls and tracks the mean input."""
+  loss = _mlp_loss(params, x, y, factors, F16)
+  new_state = {"count": model_state["count"] + 1,
+               "mean": 0.9 * model_state["mean"] + 0.1 * x.mean(0)}
+  return loss, new_state
+
+
+def test_make_train_step_with_state_returns_new_state_on_a_finite_step():
+  tx = optax.adam(1e-2)
+  params, (x, y) = _init_mlp(), _data()
+  model_state = {"count": jnp.int32(0), "mean": jnp.zeros(8)}
+  step = jax.jit(training.make_train_step(_loss_with_state, tx,
+                                          has_state=True))
+  out = step(params, model_state, tx.init(params), DynamicLossScale(2. ** 15),
+             x, y, _clean())
+  assert bool(out.grads_finite)
+  assert int(out.model_state["count"]) == 1
+  np.testing.assert_allclose(out.model_state["mean"], 0.1 * x.mean(0),
+                             rtol=1e-6)
+  assert int(out.opt_state[0].count) == 1
+  assert not same_bits(out.params, params)
+  assert float(out.value) == pytest.approx(
+      float(_mlp_loss(params, x, y, _clean(), F16)), rel=1e-6)
+
+
+def test_make_train_step_with_state_keeps_the_state_on_a_nonfinite_step():
+  tx = optax.adam(1e-2)
+  params, (x, y) = _init_mlp(), _data()
+  model_state = {"count": jnp.int32(5), "mean": jnp.full(8, 0.25)}
+  opt_state = tx.init(params)
+  step = jax.jit(training.make_train_step(_loss_with_state, tx,
+                                          has_state=True))
+  out = step(params, model_state, opt_state, DynamicLossScale(2. ** 15), x, y,
+             dict(_clean(), w1=jnp.float32(jnp.inf)))
+  assert not bool(out.grads_finite)
+  assert same_bits(out.model_state, model_state)
+  assert same_bits(out.params, params) and same_bits(out.opt_state, opt_state)
+  assert float(out.loss_scale.loss_scale) == 2. ** 14
+
+
+def test_make_train_step_with_state_and_aux():
+  tx = optax.sgd(0.1)
+  params, (x, y) = _init_mlp(), _data()
+
+  def loss_fn(params, model_state, x, y):
+    loss, new_state = _loss_with_state(params, model_state, x, y, _clean())
+    return (loss, {"twice": 2 * loss}), new_state
+
+  step = jax.jit(training.make_train_step(loss_fn, tx, has_aux=True,
+                                          has_state=True))
+  out = step(params, {"count": jnp.int32(0), "mean": jnp.zeros(8)},
+             tx.init(params), ls_lib.NoOpLossScale(), x, y)
+  loss, aux = out.value
+  assert float(aux["twice"]) == pytest.approx(2 * float(loss))
+  assert int(out.model_state["count"]) == 1
+
+
+def test_make_train_step_with_state_trains_a_haiku_batchnorm_model():
+  from mpolicy._src import haiku_bridge  # pylint: disable=g-import-not-at-top
+
+  def forward(x, is_training):
+    x = hk.Linear(16)(x)
+    x = hk.BatchNorm(True, True, 0.9)(x, is_training)
+    return hk.Linear(1)(jax.nn.relu(x))
+
+  model = haiku_bridge.transform_amp_with_state(forward)
+  x, y = _data()
+  params, state = model.init(jax.random.PRNGKey(0), x, True)
+
+  def loss_fn(params, state, x, y):
+    out, state = model.apply(params, state, None, x, True)
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2), state
+
+  tx = optax.adam(1e-2)
+  step = jax.jit(training.make_train_step(loss_fn, tx, has_state=True))
+  opt_state, ls = tx.init(params), DynamicLossScale(2. ** 15)
+  losses = []
+  for _ in range(20):
+    out = step(params, state, opt_state, ls, x, y)
+    params, state, opt_state, ls = (out.params, out.model_state,
+                                    out.opt_state, out.loss_scale)
+    losses.append(float(out.value))
+  assert losses[-1] < 0.5 * losses[0]
+  averages = [v for v in jax.tree_util.tree_leaves(state)
+              if jnp.issubdtype(v.dtype, jnp.floating)]
+  assert any(float(jnp.abs(v).max()) > 0 for v in averages)
+
+
+def test_make_train_step_with_state_names_the_expected_return():
+  tx = optax.sgd(0.1)
+  step = training.make_train_step(lambda p, s, x: jnp.sum(p * x), tx,
+                                  has_state=True)
+  with pytest.raises(TypeError, match=r"must return `\(loss, new_model_state\)`"):
+    step(jnp.ones(2), {}, tx.init(jnp.ones(2)), ls_lib.NoOpLossScale(),
+         jnp.ones(2))
+
+
 # --- Master weights --------------------------------------------------------------
 
 

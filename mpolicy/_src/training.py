@@ -745,12 +745,15 @@ class TrainStepResult(NamedTuple):
     loss_scale: the adjusted loss scale (backed off if not finite).
     grads_finite: bool scalar, whether the step was applied.
     value: the loss, or `(loss, aux)` with `has_aux=True`.
+    model_state: with `has_state=True`, the model state `loss_fn` returned
+      (the old one, bit for bit, if not finite); None otherwise.
   """
   params: Any
   opt_state: Any
   loss_scale: Any
   grads_finite: jax.Array
   value: Any
+  model_state: Any = None
 
 
 def make_train_step(
@@ -758,6 +761,7 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
     has_aux: bool = False,
+    has_state: bool = False,
     axis_name: Any = None,
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
@@ -772,6 +776,15 @@ def make_train_step(
   `skip_nonfinite`. Jit it (or `pmap` / `shard_map` it with `axis_name`)
   yourself.
 
+  With `has_state=True` the model has state that is not trained by
+  gradients (BatchNorm's moving averages, e.g. from
+  `transform_amp_with_state`): `loss_fn(params, model_state, *args)` returns
+  `(loss, new_model_state)` (`((loss, aux), new_model_state)` with
+  `has_aux`), the step is `step(params, model_state, opt_state, loss_scale,
+  *args)`, and its result's `model_state` is the new state, or the old one
+  bit for bit on a non-finite step. The state is not differentiated, so it
+  may hold integers (counters).
+
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
   >>> tx = optax.sgd(0.1)
@@ -783,16 +796,52 @@ def make_train_step(
 
   See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
   """
+  if not has_state:
+    grad_fn = scaled_value_and_grad(
+        loss_fn, has_aux=has_aux, axis_name=axis_name,
+        reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+
+    def step(params, opt_state, loss_scale, *args, **kwargs):
+      new_loss_scale, finite, value, grads = grad_fn(
+          loss_scale, params, *args, **kwargs)
+      new_params, new_opt_state = update_if_finite(
+          optimizer, grads, opt_state, params, finite)
+      return TrainStepResult(new_params, new_opt_state, new_loss_scale,
+                             finite, value)
+
+    return step
+
+  def loss_with_state(params, model_state, *args, **kwargs):
+    out = loss_fn(params, model_state, *args, **kwargs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError(
+          "make_train_step(has_state=True): loss_fn must return "
+          "`(loss, new_model_state)` (`((loss, aux), new_model_state)` with "
+          f"has_aux=True), got {type(out).__name__}.")
+    value, new_model_state = out
+    if has_aux:
+      loss, aux = value
+      return loss, (aux, new_model_state)
+    return value, new_model_state
+
   grad_fn = scaled_value_and_grad(
-      loss_fn, has_aux=has_aux, axis_name=axis_name,
+      loss_with_state, has_aux=True, axis_name=axis_name,
       reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
 
-  def step(params, opt_state, loss_scale, *args, **kwargs):
-    new_loss_scale, finite, value, grads = grad_fn(
-        loss_scale, params, *args, **kwargs)
-    new_params, new_state = update_if_finite(
+  def step_with_state(params, model_state, opt_state, loss_scale, *args,
+                      **kwargs):
+    new_loss_scale, finite, (loss, extra), grads = grad_fn(
+        loss_scale, params, model_state, *args, **kwargs)
+    if has_aux:
+      aux, new_model_state = extra
+      value = (loss, aux)
+    else:
+      value, new_model_state = loss, extra
+    new_params, new_opt_state = update_if_finite(
         optimizer, grads, opt_state, params, finite)
-    return TrainStepResult(new_params, new_state, new_loss_scale, finite,
-                           value)
+    new_model_state = loss_scale_lib.select_tree(
+        finite, new_model_state, model_state)
+    return TrainStepResult(new_params, new_opt_state, new_loss_scale, finite,
+                           value, new_model_state)
 
-  return step
+  return step_with_state
