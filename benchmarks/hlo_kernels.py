@@ -10,7 +10,8 @@ backend-neutral category:
                CPU and in Triton / cuDNN fusion bodies on GPU, labelled with
                the fusion kind that holds them);
   converts     `convert` instructions (fusion bodies included), by dtype pair;
-  fusions, while loops, conditionals, custom-calls, all instructions.
+  fusions, while loops, conditionals, custom-calls, all instructions (and
+               every opcode's count).
 
 Kernel keys read like `__cublas$gemm(bf16,bf16)->bf16` or
 `dot[__triton_gemm](bf16,bf16)->f32`: operand element types, then the result's
@@ -60,6 +61,8 @@ class HloStats:
   kernels: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
   custom_call_targets: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  opcodes: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
 
   def kernel_dtypes(self) -> collections.Counter:
@@ -138,6 +141,7 @@ def hlo_stats(text: str) -> HloStats:
     op, result = m["op"], _result_dtype(m["type"])
     types[m["name"]] = result
     stats.instructions += 1
+    stats.opcodes[op] += 1
     if op == "fusion":
       stats.fusions += 1
     elif op == "while":
