@@ -37,7 +37,7 @@ _COMPUTATION = re.compile(
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-$]+)\s*=\s*(?P<type>.+?)\s"
     r"(?P<op>[a-z][a-z0-9\-_]*)\((?P<args>.*)$")
-_DTYPES = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn|fnuz|b11fnuz)?)?)\[")
+_DTYPES = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z0-9]*)?)\[")
 _ARGNAME = re.compile(r"%([\w.\-$]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS = re.compile(r"calls=%?([\w.\-$]+)")
