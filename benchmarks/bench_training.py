@@ -44,6 +44,13 @@ Usage:
   python benchmarks/bench_training.py --quick          # smoke run (< 60 s)
   python benchmarks/bench_training.py --models=mlp --steps=50 --profile
   python benchmarks/bench_training.py --dump-hlo=/tmp/hlo --out=results.md
+
+`--preset=gpu` runs a different set instead (see `gpu_main`): an MLP, a GPT
+and ResNet50 at real sizes, each variant compiled and timed on its own, with
+the dtypes of the gemm/convolution kernels and XLA's temp memory:
+
+  python benchmarks/bench_training.py --preset=gpu --json=gpu.json
+  python benchmarks/bench_training.py --preset=gpu --scale=32 --steps=2  # CPU smoke
 """
 
 from __future__ import annotations
@@ -809,8 +816,8 @@ class GpuCausalSelfAttention(hk.Module):
     qkv = hk.Linear(3 * width, name="qkv")(x)
     q, k, v = jnp.split(qkv.reshape(batch, seq, 3, self.heads, head), 3, 2)
     q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]   # [batch, seq, heads, head]
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(head).astype(
-        np.float32)
+    # A Python float keeps the logits in the compute dtype (weak typing).
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / float(np.sqrt(head))
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits, axis=-1)
