@@ -1314,7 +1314,8 @@ def gpu_main(argv) -> dict[str, Any]:
       description="Mixed-precision training steps at real sizes: f32, "
       "hand-written Haiku+jmp, mpolicy.transform_amp, mpolicy.amp, float16 "
       "with dynamic loss scaling (and fp8 with --fp8).")
-  parser.add_argument("--models", default="mlp,gpt,resnet50")
+  parser.add_argument("--models", default="mlp,gpt,resnet50",
+                      help=f"comma-separated, from {', '.join(GPU_MODELS)}")
   parser.add_argument("--variants", default=GPU_DEFAULT_VARIANTS,
                       help=f"comma-separated, from {', '.join(GPU_VARIANTS)}")
   parser.add_argument("--fp8", action="store_true",
