@@ -1,0 +1,190 @@
+"""Smoke tests of the benchmarks: the GPU preset at its smallest sizes on CPU,
+the char-transformer benchmark, and the HLO kernel counter they share."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mpolicy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def _load(name):
+  """Imports benchmarks/<name>.py (benchmarks/ is not a package)."""
+  key = f"_bench_{name}"
+  if key not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        key, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # dataclasses look their module up here.
+    spec.loader.exec_module(module)
+  return sys.modules[key]
+
+
+def _run(script, *args, timeout=600):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                        capture_output=True, text=True, env=env,
+                        timeout=timeout, cwd=ROOT)
+
+
+# An optimized XLA:GPU module as `compiled.as_text()` prints it: a cuBLAS
+# gemm with its scratch buffer, a cuBLASLt fp8 matmul, a Triton gemm fusion
+# and a cuDNN convolution.
+GPU_HLO = """\
+%gemm_fusion_dot.1_computation (p0: bf16[8,16], p1: bf16[16,4]) -> f32[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (a: bf16[128,64], b: bf16[64,256], c: bf16[8,16], d: bf16[16,4], x: f8e4m3fn[16,32], y: f8e5m2[16,32], im: bf16[2,8,8,4], k: bf16[3,3,4,4]) -> bf16[128,256] {
+  %a = bf16[128,64]{1,0} parameter(0)
+  %b = bf16[64,256]{1,0} parameter(1)
+  %c = bf16[8,16]{1,0} parameter(2)
+  %d = bf16[16,4]{1,0} parameter(3)
+  %x = f8e4m3fn[16,32]{1,0} parameter(4)
+  %y = f8e5m2[16,32]{1,0} parameter(5)
+  %im = bf16[2,8,8,4]{3,2,1,0} parameter(6)
+  %k = bf16[3,3,4,4]{3,2,1,0} parameter(7)
+  %s = f32[] constant(1)
+  %cublas-gemm.1 = (bf16[128,256]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1}}
+  %cublas-gemm.2 = (f32[16,16]{1,0}, s8[33554432]{0}) custom-call(%x, %y, %s, %s), custom_call_target="__cublas$lt$matmul$f8"
+  %gemm_fusion_dot.1 = f32[8,4]{1,0} fusion(%c, %d), kind=kCustom, calls=%gemm_fusion_dot.1_computation, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_gemm"}}
+  %cudnn-conv.1 = (bf16[2,8,8,4]{3,2,1,0}, u8[0]{0}) custom-call(%im, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  %cvt = f32[128,64]{1,0} convert(%a)
+  ROOT %gte = bf16[128,256]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+}
+"""
+
+
+def test_hlo_stats_reads_gpu_library_calls_and_fusions():
+  hlo = _load("hlo_kernels")
+  stats = hlo.hlo_stats(GPU_HLO)
+  assert dict(stats.kernels) == {
+      "__cublas$gemm(bf16,bf16)->bf16": 1,
+      "__cublas$lt$matmul$f8(f8e4m3fn,f8e5m2)->f32": 1,
+      "dot[__triton_gemm](bf16,bf16)->f32": 1,
+      "__cudnn$convForward(bf16,bf16)->bf16": 1,
+  }
+  assert dict(stats.kernel_dtypes()) == {
+      "(bf16,bf16)->bf16": 2, "(f8e4m3fn,f8e5m2)->f32": 1,
+      "(bf16,bf16)->f32": 1}
+  assert stats.custom_calls == 3 and stats.fusions == 1
+  assert dict(stats.convert_pairs) == {"bf16->f32": 1}
+  json.dumps(stats.to_dict())  # Plain data for --json.
+
+
+def test_hlo_stats_on_a_compiled_cpu_module():
+  hlo = _load("hlo_kernels")
+
+  def f(x, w):
+    y = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                preferred_element_type=jnp.float32)
+    return jnp.tanh(y) @ w
+
+  compiled = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile()
+  stats = hlo.hlo_stats(compiled.as_text())
+  assert stats.kernel_dtypes() == {"(bf16,bf16)->f32": 1, "(f32,f32)->f32": 1}
+  assert stats.convert_pairs["f32->bf16"] == 2
+  assert stats.while_loops == 0
+  temp = hlo.temp_bytes(compiled)
+  assert temp is None or temp >= 0
+
+
+def test_gpu_preset_rejects_bad_flags_by_name():
+  bench = _load("bench_training")
+  for argv, words in [(["--scale=0"], "--scale must be a positive integer"),
+                      (["--variants=f32,bogus"], "unknown variant 'bogus'"),
+                      (["--models=vgg"], "unknown model 'vgg'")]:
+    with pytest.raises(SystemExit) as e:
+      bench.main(["--preset=gpu"] + argv)
+    assert e.value.code == 2, argv
+  proc = _run("bench_training.py", "--preset=gpu", "--variants=bogus")
+  assert proc.returncode == 2
+  assert "unknown variant 'bogus'" in proc.stderr
+  assert "fp8" in proc.stderr  # The message lists the valid variants.
+
+
+def test_gpu_preset_smallest_scale_runs_every_variant(tmp_path):
+  out = tmp_path / "gpu.json"
+  proc = _run("bench_training.py", "--preset=gpu", "--models=mlp",
+              "--scale=512", "--steps=1", "--warmup=0", "--fp8",
+              f"--json={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads(out.read_text())
+  assert data["header"]["platform"] == "cpu" and "flags" in data["header"]["cpu"]
+  variants = data["models"]["mlp"]["variants"]
+  try:
+    mpolicy.get_policy("p=f32,c=f8,o=bf16")
+    fp8 = True
+  except ValueError:
+    fp8 = False
+  expected = ["f32", "jmp", "mpolicy", "amp", "f16_jmp", "f16_mpolicy"]
+  assert list(variants) == expected + (["fp8"] if fp8 else [])
+  if not fp8:
+    assert any("fp8 variant skipped" in n for n in data["notes"])
+    assert "fp8 variant skipped" in proc.stdout
+  for key, r in variants.items():
+    assert r["status"] == "ok", (key, r["status"])
+    assert len(r["step_ms"]) == 1 and r["median_step_ms"] > 0
+    assert r["temp_bytes"] is None or r["temp_bytes"] >= 0
+    assert r["final_loss"] > 0
+  dtypes = {k: set(r["hlo"]["kernel_dtypes"]) for k, r in variants.items()}
+  # 4 layers: 4 forward matmuls, 3 input gradients, 4 weight gradients.
+  for key in variants:
+    assert sum(variants[key]["hlo"]["kernel_dtypes"].values()) == 11, key
+  assert dtypes["f32"] == {"(f32,f32)->f32"}
+  assert variants["f32"]["hlo"]["convert_pairs"].get("f32->bf16", 0) == 0
+  for key in ("jmp", "mpolicy", "amp"):
+    # Some XLA:CPU versions run bf16 dots in float32 (converts around them).
+    assert (variants[key]["hlo"]["convert_pairs"]["f32->bf16"] > 0
+            or any("bf16" in d for d in dtypes[key])), key
+  for key in ("f16_jmp", "f16_mpolicy"):
+    assert variants[key]["final_loss_scale"] in (2.0**15, 2.0**14)
+    assert variants[key]["hlo"]["convert_pairs"]["f32->f16"] > 0
+  assert variants["f32"]["final_loss_scale"] is None
+  assert "| Haiku + jmp bf16 (hand-written) |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_preset_all_models_at_small_scale(tmp_path):
+  out = tmp_path / "gpu.json"
+  proc = _run("bench_training.py", "--preset=gpu", "--scale=64",
+              "--steps=1", "--warmup=0", f"--json={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads(out.read_text())
+  assert list(data["models"]) == ["mlp", "gpt", "resnet50"]
+  for name, m in data["models"].items():
+    for key, r in m["variants"].items():
+      assert r["status"] == "ok", (name, key, r["status"])
+  resnet = data["models"]["resnet50"]["variants"]
+  assert any(k.startswith("convolution") for k in resnet["f32"]["hlo"]["kernels"])
+
+
+@pytest.mark.slow
+def test_char_transformer_benchmark_smoke(tmp_path):
+  out = tmp_path / "char.json"
+  proc = _run("bench_char_transformer.py", "--scale=16", "--steps=3",
+              "--device_steps=1", "--runs=f16_static_skip,bf16",
+              "--hlo_stats", f"--json={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = {r["run"]: r for r in json.loads(out.read_text())["results"]}
+  assert list(results) == ["f16_static_skip", "bf16"]
+  for r in results.values():
+    assert r["status"] == "ok"
+    assert r["loop_steps_per_s"] > 0 and r["device_steps_per_s"] > 0
+    assert len(r["losses"]) == 3
+  assert results["f16_static_skip"]["final_loss_scale"] == 1024.0
+  assert results["f16_static_skip"]["hlo"]["convert_pairs"]["f32->f16"] > 0
+  assert results["bf16"]["hlo"]["convert_pairs"]["f32->bf16"] > 0
+  assert "| f16_static_skip |" in proc.stdout
