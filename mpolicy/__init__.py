@@ -37,6 +37,7 @@ from mpolicy._src.explain import explain
 from mpolicy._src.explain import Report
 
 from mpolicy._src.haiku_bridge import current_policy
+from mpolicy._src.haiku_bridge import HaikuPolicyWarning
 from mpolicy._src.haiku_bridge import transform_amp
 from mpolicy._src.haiku_bridge import transform_amp_with_state
 from mpolicy._src.haiku_bridge import with_policies
@@ -65,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = (
     "DEFAULT_RULES",
     "DynamicLossScale",
+    "HaikuPolicyWarning",
     "LossScale",
     "MasterWeightsState",
     "NoOpLossScale",

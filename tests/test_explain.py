@@ -1,4 +1,4 @@
-"""Specification of `explain` and `Report` (API §6)."""
+"""Specification of `explain` and `Report`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Specification of `amp` on first-order primitives (API §5)."""
+"""Specification of `amp` on first-order primitives."""
 
 from __future__ import annotations
 

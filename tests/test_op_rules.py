@@ -1,4 +1,4 @@
-"""Specification of the op-rule table (API §5)."""
+"""Specification of the op-rule table."""
 
 from __future__ import annotations
 

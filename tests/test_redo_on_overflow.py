@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+import mpolicy
 from mpolicy._src import loss_scale as ls_lib
 from mpolicy._src import training
 
@@ -224,6 +225,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+import mpolicy
 from mpolicy._src import loss_scale as ls_lib
 from mpolicy._src import training
 
@@ -280,3 +282,19 @@ def test_pmap_and_shard_map_devices_retry_together():
     assert got["scale"] == [scale] * 8, name
     assert got["counter"] == [1] * 8, name
     assert got["grads"] == [grad] * 24, name
+
+
+def test_make_train_step_passes_max_retries_on():
+  """An overflow at the first scale is redone inside the same step."""
+  loss_fn = lambda p, x: jnp.sum((p["w"] * x) ** 2)
+  tx = optax.sgd(0.0)
+  params = {"w": jnp.ones(2, jnp.float16)}
+  x = jnp.full(2, 8., jnp.float16)
+  ls = mpolicy.DynamicLossScale(jnp.float32(2. ** 15))
+  step = jax.jit(mpolicy.make_train_step(loss_fn, tx, max_retries=8))
+  out = step(params, tx.init(params), ls, x)
+  assert bool(out.grads_finite)
+  assert float(out.loss_scale.loss_scale) < 2. ** 15
+  plain = jax.jit(mpolicy.make_train_step(loss_fn, tx))(
+      params, tx.init(params), ls, x)
+  assert not bool(plain.grads_finite)

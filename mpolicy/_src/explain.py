@@ -1,4 +1,4 @@
-"""Inspection: which dtype each primitive ran in, and who decided (API §6).
+"""Inspection: which dtype each primitive ran in, and who decided.
 
 `explain` traces a function once with the interpreter's recording on and
 turns what the interpreter decided into a `Report`: one row per primitive,

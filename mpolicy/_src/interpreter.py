@@ -5,7 +5,7 @@ whatever trace it is called under (eager, `jit`, `grad`, `vmap`, ...). For
 each equation it reads the region that governs it (from the name stack: the
 Haiku bridge's markers, `full_precision()` blocks, named scopes matching a
 registry pattern, or `amp`'s own ``policy``), looks the primitive up in the
-`OpRules` table and binds it in the dtype the rule gives (API §5):
+`OpRules` table and binds it in the dtype the rule gives:
 
 * ``lower`` (matmul, convolution): inputs cast to the compute dtype of the
   governing policy, float32 accumulation; run as written where no policy
@@ -180,7 +180,7 @@ def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
 
 
 def _is_traced(x) -> bool:
-  return isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+  return isinstance(x, jax.Array) or isinstance(x, jax_compat.Tracer)
 
 
 # --- The environment ----------------------------------------------------------
@@ -763,7 +763,7 @@ def _check_custom_outputs(eqn, result, name: str) -> list:
 
 
 def _is_array_leaf(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+  return isinstance(x, (jax.Array, np.ndarray, jax_compat.Tracer))
 
 
 def _static_key(x) -> Any:
@@ -941,7 +941,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     traced = tuple(_is_array_leaf(x) for x in leaves)
     arrays = [x for x, t in zip(leaves, traced) if t]
-    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+    if not any(isinstance(x, jax_compat.Tracer) for x in arrays):
       static = _Static(tuple(None if t else x for x, t in zip(leaves, traced)),
                        treedef, traced)
       if static.hashable():

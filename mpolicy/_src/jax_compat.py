@@ -92,6 +92,9 @@ def eqn_context_under(base_stack, eqn) -> Iterator[None]:
 
 # --- Jaxpr types ------------------------------------------------------------
 
+# The class of every traced value (what `jax.core.Tracer` names today).
+Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
+
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
@@ -468,6 +471,7 @@ __all__ = [
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
+    "Tracer",
     "Var",
     "while_counts",
     "while_p",

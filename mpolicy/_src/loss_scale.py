@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import jax_compat
+
 T = TypeVar("T")
 
 
@@ -93,7 +95,7 @@ _NUMBER_HINT = ("a positive, finite real number (a Python float or int, or a "
 
 def _concrete(x: Any) -> np.ndarray | None:
   """`x` as a numpy array, or None if it is a tracer (not known yet)."""
-  if isinstance(x, jax.core.Tracer):
+  if isinstance(x, jax_compat.Tracer):
     return None
   try:
     return np.asarray(x)

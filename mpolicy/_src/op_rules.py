@@ -1,6 +1,6 @@
 """The op-rule table: which primitives run in half, which in float32.
 
-Like PyTorch autocast, mpolicy sorts operations into classes (API §5):
+Like PyTorch autocast, mpolicy sorts operations into classes:
 
 * ``lower``: worth running in the governing compute dtype (matmuls and
   convolutions, with float32 accumulation);

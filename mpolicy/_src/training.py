@@ -553,7 +553,7 @@ def keep_dtypes(
   * State: each leaf of the state `inner.init` returns keeps that dtype (and
     is strongly typed) after every update. Without this, Adam's moments made
     from bfloat16 params turn float32 the first time they meet float32
-    gradients (optax issues #1039, #1098), and a jitted step compiles twice.
+    gradients, and a jitted step compiles twice.
   * Updates: each floating leaf is cast to the dtype of its parameter (or,
     without `params`, of the incoming gradient), so `optax.apply_updates`
     never promotes and `params + updates` keeps the params' dtype.
@@ -765,6 +765,7 @@ def make_train_step(
     axis_name: Any = None,
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
+    max_retries: int = 0,
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -783,7 +784,8 @@ def make_train_step(
   `has_aux`), the step is `step(params, model_state, opt_state, loss_scale,
   *args)`, and its result's `model_state` is the new state, or the old one
   bit for bit on a non-finite step. The state is not differentiated, so it
-  may hold integers (counters).
+  may hold integers (counters). `max_retries` is passed to
+  `scaled_value_and_grad` (redo an overflowed gradient at a lower scale).
 
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
@@ -799,7 +801,8 @@ def make_train_step(
   if not has_state:
     grad_fn = scaled_value_and_grad(
         loss_fn, has_aux=has_aux, axis_name=axis_name,
-        reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+        reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
+        max_retries=max_retries)
 
     def step(params, opt_state, loss_scale, *args, **kwargs):
       new_loss_scale, finite, value, grads = grad_fn(
@@ -826,7 +829,8 @@ def make_train_step(
 
   grad_fn = scaled_value_and_grad(
       loss_with_state, has_aux=True, axis_name=axis_name,
-      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
+      max_retries=max_retries)
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
