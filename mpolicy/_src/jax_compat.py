@@ -5,7 +5,7 @@ every few releases: in 0.11 a scan's ``num_consts``/``num_carry`` params
 became the flat trees ``ft_in``/``ft_out``, and `ClosedJaxpr` became another
 name for `Jaxpr`. Every import of them lives here, and the rules read
 higher-order params only through the readers below, so a JAX upgrade means
-reading one file. Supported: JAX 0.10 to 0.12.
+reading one file. Supported: JAX 0.10.2 to 0.12.
 
 Nothing in this module knows about policies: it only offers small,
 version-independent helpers over name stacks, jaxprs and primitives.
