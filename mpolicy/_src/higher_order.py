@@ -21,6 +21,7 @@ A primitive with sub-jaxprs that is not in the table raises
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -127,7 +128,7 @@ def _cond(scope, eqn, invals):
   unified = []
   for outs in zip(*(p.out_avals for p in probes)):
     floats = [o.dtype for o in outs if _is_float(o.dtype)]
-    unified.append(max(floats, key=lambda d: np.dtype(d).itemsize)
+    unified.append(np.dtype(functools.reduce(jnp.promote_types, floats))
                    if len(floats) == len(outs) else None)
   new = tuple(scope.trace(b, a, out_dtypes=unified)
               for b, a in zip(branches, avals))

@@ -175,8 +175,8 @@ def _is_double(dtype) -> bool:
 
 
 def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
-  return max(dtypes, key=lambda d: (np.dtype(d).itemsize,
-                                    np.dtype(d) == jnp.float16))
+  """The dtype JAX promotes ``dtypes`` to (bfloat16 with float16: float32)."""
+  return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 def _is_traced(x) -> bool:
