@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import lowp
 
 FORWARD_DTYPE = np.dtype(jnp.float8_e4m3fn)
 BACKWARD_DTYPE = np.dtype(jnp.float8_e5m2)
@@ -227,19 +228,9 @@ def _replay(closed, args):
   """Evaluates ``closed`` on ``args``, its convolutions accumulating in
   float32 (the jaxpr is JAX's own convolution transpose, traced in float32:
   its reversals, reshapes and convolutions are scale-free)."""
-  jaxpr = closed.jaxpr
-  env = dict(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, args))
-  read = lambda v: v.val if isinstance(v, jax_compat.Literal) else env[v]
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    params = eqn.params
-    if eqn.primitive is lax.conv_general_dilated_p:
-      params = dict(params, preferred_element_type=np.dtype(jnp.float32))
-    outs = jax_compat.bind(eqn.primitive, invals, params)
-    outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
-  return read(jaxpr.outvars[0])
+  f32 = np.dtype(jnp.float32)
+  return lowp.replay_convs(closed, args, lambda eqn, invals: jax_compat.bind(
+      eqn.primitive, invals, dict(eqn.params, preferred_element_type=f32)))
 
 
 def _conv_transpose(side, params, g, known, operand_shape):

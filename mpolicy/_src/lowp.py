@@ -309,6 +309,20 @@ def _with_amp_convs(fn, args, out_dtype=None):
   """
   closed = jax_compat.trace_to_closed_jaxpr(
       lambda *a: [fn(*a)], [jax_compat.aval_of(a) for a in args])
+
+  def bind_conv(eqn, invals):
+    params = {k: v for k, v in eqn.params.items()
+              if k not in _CONV_OWN_PARAMS}
+    dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
+    return amp_conv_general_dilated_p.bind(*invals, **params,
+                                           out_dtype=np.dtype(dtype))
+
+  return replay_convs(closed, args, bind_conv)
+
+
+def replay_convs(closed, args, bind_conv):
+  """Evaluates ``closed`` on ``args``, binding each ``conv_general_dilated``
+  with ``bind_conv(eqn, invals)`` (its one output) and the rest as traced."""
   jaxpr = closed.jaxpr
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
@@ -316,11 +330,7 @@ def _with_amp_convs(fn, args, out_dtype=None):
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     if eqn.primitive is jax_compat.conv_general_dilated_p:
-      params = {k: v for k, v in eqn.params.items()
-                if k not in _CONV_OWN_PARAMS}
-      dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
-      outs = [amp_conv_general_dilated_p.bind(*invals, **params,
-                                              out_dtype=np.dtype(dtype))]
+      outs = [bind_conv(eqn, invals)]
     else:
       outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
       outs = outs if eqn.primitive.multiple_results else [outs]
