@@ -29,8 +29,8 @@ from mpolicy._src.registry import set_policy
 from mpolicy._src.op_rules import DEFAULT_RULES
 from mpolicy._src.op_rules import OpRules
 
-from mpolicy._src.interpreter import amp
-from mpolicy._src.interpreter import full_precision
+from mpolicy._src.amp import amp
+from mpolicy._src.amp import full_precision
 from mpolicy._src.higher_order import UnsupportedPrimitiveError
 
 from mpolicy._src.explain import explain

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from mpolicy._src.explain import explain
 from mpolicy._src.explain import Report
-from mpolicy._src.interpreter import amp
-from mpolicy._src.interpreter import full_precision
+from mpolicy._src.amp import amp
+from mpolicy._src.amp import full_precision
 
 HALF = "p=f32,c=bf16,o=f32"
 X, W = jnp.ones((2, 3)), jnp.ones((3, 4))

@@ -12,7 +12,7 @@ import pytest
 from _helpers import multiplies_in
 
 from mpolicy._src import lowp
-from mpolicy._src.interpreter import amp
+from mpolicy._src.amp import amp
 
 HALF = "p=f32,c=bf16,o=f32"
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from mpolicy._src import jax_compat
 from mpolicy._src.higher_order import UnsupportedPrimitiveError
-from mpolicy._src.interpreter import amp
-from mpolicy._src.interpreter import full_precision
+from mpolicy._src.amp import amp
+from mpolicy._src.amp import full_precision
 
 HALF = "p=f32,c=bf16,o=f32"
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

@@ -10,9 +10,9 @@ import pytest
 from _helpers import all_eqns, multiplies_in
 
 from mpolicy._src import registry
-from mpolicy._src.interpreter import amp
-from mpolicy._src.interpreter import full_precision
-from mpolicy._src.interpreter import interpret
+from mpolicy._src.amp import amp
+from mpolicy._src.amp import full_precision
+from mpolicy._src.amp import interpret
 from mpolicy._src.op_rules import DEFAULT_RULES
 
 HALF = "p=f32,c=bf16,o=f32"

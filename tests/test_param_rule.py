@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mpolicy
-from mpolicy._src import interpreter
+from mpolicy._src import recording
 
 from _helpers import walk_eqns
 
@@ -59,7 +59,7 @@ def test_bias_add_and_relu_of_a_plain_mlp_run_in_half():
 
 def test_most_of_a_plain_mlp_runs_in_half():
   f = mpolicy.amp(_mlp, HALF)
-  with interpreter.recording() as rows:
+  with recording.recording() as rows:
     jax.make_jaxpr(f)(*_mlp_args())
   # Only the broadcasts of the four float32 biases run in float32 (then
   # they are cast): everything else runs in bfloat16.

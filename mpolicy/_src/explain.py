@@ -18,11 +18,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mpolicy._src import interpreter
+from mpolicy._src import amp as amp_lib
+from mpolicy._src import recording
 
 
-Row = interpreter.Decision
-"""One primitive the interpreter ran: see `interpreter.Decision`."""
+Row = recording.Decision
+"""One primitive the interpreter ran: see `recording.Decision`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Report:
     note: how the function was interpreted (e.g. wrapped in `amp`).
 
   >>> import jax.numpy as jnp
-  >>> from mpolicy._src.interpreter import amp
+  >>> from mpolicy._src.amp import amp
   >>> report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
   >>> report.ops_per_dtype, report.casts_inserted
   ({'float32': 1}, 1)
@@ -100,7 +101,7 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
   notes. Nothing is computed: ``fn`` is only traced.
 
   >>> import jax.numpy as jnp
-  >>> from mpolicy._src.interpreter import amp
+  >>> from mpolicy._src.amp import amp
   >>> f = amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
   >>> report = explain(f, jnp.ones((2, 3)), jnp.ones((3, 4)))
   >>> [(r.primitive, r.ran_in) for r in report.rows if r.rule != "explicit cast"]
@@ -109,14 +110,14 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
   See also: `amp`, `transform_amp`, `explain_policy`.
   """
   note = ""
-  with interpreter.recording() as rows:
+  with recording.recording() as rows:
     _trace(fn, args, kwargs)
-    ran = interpreter.interpreter_ran()
+    ran = recording.interpreter_ran()
   if not ran:
     note = ("note: the function was not amp-ed; explained as amp(fn) "
             "without a policy")
-    with interpreter.recording() as rows:
-      _trace(interpreter.amp(fn), args, kwargs)
+    with recording.recording() as rows:
+      _trace(amp_lib.amp(fn), args, kwargs)
   return Report(rows=tuple(rows), note=note)
 
 

@@ -43,6 +43,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import lowp
 
@@ -315,7 +316,7 @@ def handles(eqn, args) -> bool:
     return False
   if eqn.params.get("out_sharding") is not None:
     return False  # The scaled ops do not carry an output sharding.
-  return all(jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in args)
+  return all(dtypes.float_value(a) for a in args)
 
 
 def run_equation(eqn, args, out_dtype) -> list:

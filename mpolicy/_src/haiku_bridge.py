@@ -28,7 +28,7 @@ import warnings
 import haiku as hk
 import jax.numpy as jnp
 
-from mpolicy._src import interpreter
+from mpolicy._src import amp as amp_lib
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import policy as policy_lib
@@ -278,7 +278,7 @@ def transform_amp(fn: Callable[..., Any], *,
   See also: `transform_amp_with_state`, `set_policy`, `explain`.
   """
   transformed = hk.transform(with_policies(fn))
-  apply = interpreter.interpret(transformed.apply, rules=rules,
+  apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
   return hk.Transformed(init=transformed.init, apply=apply)
 
@@ -305,6 +305,6 @@ def transform_amp_with_state(fn: Callable[..., Any], *,
   See also: `transform_amp`.
   """
   transformed = hk.transform_with_state(with_policies(fn))
-  apply = interpreter.interpret(transformed.apply, rules=rules,
+  apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
   return hk.TransformedWithState(init=transformed.init, apply=apply)

@@ -21,12 +21,10 @@ A primitive with sub-jaxprs that is not in the table raises
 from __future__ import annotations
 
 from collections.abc import Callable
-import functools
 from typing import Any, Optional
 
-import jax.numpy as jnp
-import numpy as np
 
+from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 
 
@@ -34,22 +32,13 @@ class UnsupportedPrimitiveError(NotImplementedError):
   """A higher-order primitive the interpreter does not know how to enter."""
 
 
-def _dtype(x) -> np.dtype:
-  dtype = getattr(x, "dtype", None)
-  return np.asarray(x).dtype if dtype is None else dtype
-
-
-def _is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)
-
-
 def _avals_like(invars, vals) -> list:
   """The avals of a sub-jaxpr's invars, with the dtypes of ``vals``."""
   out = []
   for var, x in zip(invars, vals):
     aval = var.aval
-    if _dtype(x) != aval.dtype:
-      aval = jax_compat.with_dtype(aval, _dtype(x))
+    if dtypes.dtype_of(x) != aval.dtype:
+      aval = jax_compat.with_dtype(aval, dtypes.dtype_of(x))
     out.append(aval)
   return out
 
@@ -66,7 +55,7 @@ def _closed(jaxpr) -> jax_compat.ClosedJaxpr:
 
 
 def _carry_dtypes(vals) -> list:
-  return [_dtype(x) if _is_float(_dtype(x)) else None for x in vals]
+  return [dtypes.dtype_of(x) if dtypes.float_value(x) else None for x in vals]
 
 
 # --- Rules ------------------------------------------------------------------
@@ -127,8 +116,8 @@ def _cond(scope, eqn, invals):
   probes = [scope.trace(b, a, quiet=True) for b, a in zip(branches, avals)]
   unified = []
   for outs in zip(*(p.out_avals for p in probes)):
-    floats = [o.dtype for o in outs if _is_float(o.dtype)]
-    unified.append(np.dtype(functools.reduce(jnp.promote_types, floats))
+    floats = [o.dtype for o in outs if dtypes.is_float(o.dtype)]
+    unified.append(dtypes.widest(floats)
                    if len(floats) == len(outs) else None)
   new = tuple(scope.trace(b, a, out_dtypes=unified)
               for b, a in zip(branches, avals))

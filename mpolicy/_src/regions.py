@@ -85,3 +85,15 @@ def tagged(region: Region) -> Iterator[None]:
 def plain_scope_names(names: tuple[str, ...]) -> tuple[str, ...]:
   """The scope names with mpolicy's markers removed (what users named)."""
   return tuple(n for n in names if not n.startswith(MARKER_PREFIX))
+
+
+POLICY_CAST = MARKER_PREFIX + "cast"
+"""The scope the Haiku bridge traces its policy casts under, so `explain`
+tells them apart from casts written in the code."""
+
+
+@contextlib.contextmanager
+def policy_casts() -> Iterator[None]:
+  """Traces the body's casts as casts made for a module's policy."""
+  with jax.named_scope(POLICY_CAST):
+    yield
