@@ -29,6 +29,8 @@ Row = interpreter.Decision
 class Report:
   """What `explain` found: rows and totals.
 
+  ``str(report)`` is a table, one line per row, ending in `summary`'s line.
+
   Attributes:
     rows: one `Row` per primitive run, in trace order.
     note: how the function was interpreted (e.g. wrapped in `amp`).
@@ -38,6 +40,8 @@ class Report:
   >>> report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
   >>> report.ops_per_dtype, report.casts_inserted
   ({'float32': 1}, 1)
+  >>> report.summary()
+  '1 op: 1 float32; casts: 1 inserted by mpolicy, 0 in the traced code'
 
   See also: `explain`.
   """
@@ -50,6 +54,14 @@ class Report:
     return sum(r.casts for r in self.rows)
 
   @property
+  def casts_in_code(self) -> int:
+    """Casts written in the traced code (rows whose rule is "explicit cast").
+
+    They are rows, so `ops_per_dtype` counts them too (in their result dtype).
+    """
+    return sum(r.rule == "explicit cast" for r in self.rows)
+
+  @property
   def custom_rules(self) -> dict[str, str]:
     """Primitive name -> the custom rule function that ran it (its name)."""
     return {r.primitive: r.decided_by.split(";")[0][len("custom rule "):]
@@ -57,17 +69,48 @@ class Report:
 
   @property
   def ops_per_dtype(self) -> dict[str, int]:
-    """How many primitives ran in each dtype."""
-    return dict(collections.Counter(r.ran_in for r in self.rows))
+    """How many primitives ran in each dtype: most first, ties by name."""
+    counts = collections.Counter(r.ran_in for r in self.rows)
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+  def summary(self) -> str:
+    """The totals in one line, as `str` ends and the examples print them.
+
+    ``"{ops} ops: {n} {dtype}, ...; casts: {i} inserted by mpolicy, {c} in
+    the traced code"`` (``"1 op"`` for one): every primitive run (`ops_per_dtype`, most first;
+    explicit casts are ops too), then the casts the interpreter inserted
+    (`casts_inserted`) and those the traced code wrote (`casts_in_code`).
+    The same numbers are ``to_dict()["totals"]``.
+
+    >>> import jax.numpy as jnp
+    >>> from mpolicy._src.interpreter import amp
+    >>> f = amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
+    >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
+    '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by mpolicy, 0 in the traced code'
+    """
+    totals = self._totals()
+    per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
+    ops = f"{totals['ops']} op{'' if totals['ops'] == 1 else 's'}"
+    return (f"{ops}{': ' + per if per else ''}; "
+            f"casts: {totals['casts_inserted']} inserted by mpolicy, "
+            f"{totals['casts_in_code']} in the traced code")
+
+  def _totals(self) -> dict[str, Any]:
+    return {"ops": len(self.rows),
+            "ops_per_dtype": self.ops_per_dtype,
+            "casts_inserted": self.casts_inserted,
+            "casts_in_code": self.casts_in_code}
 
   def to_dict(self) -> dict[str, Any]:
-    """Plain data (lists, dicts, strings, ints) for logging or JSON."""
+    """Plain data (lists, dicts, strings, ints) for logging or JSON.
+
+    ``"totals"`` holds the numbers `summary` prints: ``ops``,
+    ``ops_per_dtype``, ``casts_inserted`` and ``casts_in_code``.
+    """
     return {
         "rows": [dataclasses.asdict(r) | {"in_dtypes": list(r.in_dtypes)}
                  for r in self.rows],
-        "totals": {"casts_inserted": self.casts_inserted,
-                   "ops_per_dtype": self.ops_per_dtype,
-                   "ops": len(self.rows)},
+        "totals": self._totals(),
         "note": self.note,
     }
 
@@ -84,11 +127,9 @@ class Report:
 
     out = [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 10,))]
     out += [fmt(l) for l in lines]
-    per = ", ".join(f"{d}: {n}" for d, n in sorted(self.ops_per_dtype.items()))
-    out.append(f"{len(self.rows)} ops ({per}); "
-               f"{self.casts_inserted} casts inserted")
     if self.note:
       out.append(self.note)
+    out.append(self.summary())
     return "\n".join(out)
 
 
