@@ -41,7 +41,7 @@ class Report:
   >>> report.ops_per_dtype, report.casts_inserted
   ({'float32': 1}, 1)
   >>> report.summary()
-  '1 op: 1 float32; casts: 1 inserted by mpolicy, 0 in the traced code'
+  '1 op: 1 float32; casts: 1 inserted by op rules, 0 in the traced code'
 
   See also: `explain`.
   """
@@ -50,14 +50,21 @@ class Report:
 
   @property
   def casts_inserted(self) -> int:
-    """Casts the interpreter added (not those written in the code)."""
-    return sum(r.casts for r in self.rows)
+    """Casts the interpreter added for its op rules (not those in the code).
+
+    An explicit cast's row records the cast it replays as its own
+    (``Row.casts``); that one is the code's, counted by `casts_in_code`.
+    """
+    return sum(r.casts for r in self.rows if r.rule != "explicit cast")
 
   @property
   def casts_in_code(self) -> int:
-    """Casts written in the traced code (rows whose rule is "explicit cast").
+    """Casts in the traced code (rows whose rule is ``"explicit cast"``).
 
-    They are rows, so `ops_per_dtype` counts them too (in their result dtype).
+    The function's own ``astype`` calls, and the casts at Haiku module
+    boundaries that `transform_amp`'s module policies make before the
+    interpreter runs. They are rows, so `ops_per_dtype` counts them too (in
+    their result dtype).
     """
     return sum(r.rule == "explicit cast" for r in self.rows)
 
@@ -76,23 +83,24 @@ class Report:
   def summary(self) -> str:
     """The totals in one line, as `str` ends and the examples print them.
 
-    ``"{ops} ops: {n} {dtype}, ...; casts: {i} inserted by mpolicy, {c} in
-    the traced code"`` (``"1 op"`` for one): every primitive run (`ops_per_dtype`, most first;
-    explicit casts are ops too), then the casts the interpreter inserted
-    (`casts_inserted`) and those the traced code wrote (`casts_in_code`).
+    ``"{ops} ops: {n} {dtype}, ...; casts: {i} inserted by op rules, {c} in
+    the traced code"`` (``"1 op"`` for one): every primitive run
+    (`ops_per_dtype`, most first; explicit casts are ops too), then the
+    casts the interpreter inserted for its op rules (`casts_inserted`) and
+    those in the traced code (`casts_in_code`).
     The same numbers are ``to_dict()["totals"]``.
 
     >>> import jax.numpy as jnp
     >>> from mpolicy._src.interpreter import amp
     >>> f = amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
     >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
-    '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by mpolicy, 0 in the traced code'
+    '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by op rules, 0 in the traced code'
     """
     totals = self._totals()
     per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
     ops = f"{totals['ops']} op{'' if totals['ops'] == 1 else 's'}"
     return (f"{ops}{': ' + per if per else ''}; "
-            f"casts: {totals['casts_inserted']} inserted by mpolicy, "
+            f"casts: {totals['casts_inserted']} inserted by op rules, "
             f"{totals['casts_in_code']} in the traced code")
 
   def _totals(self) -> dict[str, Any]:
