@@ -91,8 +91,8 @@ class Report:
     The same numbers are ``to_dict()["totals"]``.
 
     >>> import jax.numpy as jnp
-    >>> from mpolicy._src.interpreter import amp
-    >>> f = amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
+    >>> import mpolicy
+    >>> f = mpolicy.amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
     >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
     '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by op rules, 0 in the traced code'
     """
