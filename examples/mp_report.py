@@ -74,12 +74,8 @@ class Run:
 
 
 def explain_summary(fn, *args) -> str:
-  """`mpolicy.explain` in one line: '38 ops: 19 bfloat16, 19 float32; 15 casts'."""
-  totals = mpolicy.explain(fn, *args).to_dict()["totals"]
-  per_dtype = sorted(totals["ops_per_dtype"].items(), key=lambda kv: -kv[1])
-  dtypes = ", ".join(f"{n} {d}" for d, n in per_dtype)
-  return (f"{sum(totals['ops_per_dtype'].values())} ops: {dtypes}; "
-          f"{totals['casts_inserted']} casts")
+  """`mpolicy.explain` in one line: its `Report.summary`."""
+  return mpolicy.explain(fn, *args).summary()
 
 
 def table(runs: Sequence[Run], metrics: Sequence[str]) -> str:

@@ -9,6 +9,7 @@ loss scale never puts a NaN into the params.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,18 @@ def bf16_dots(fn, *args):
              and multiplies_in(e) == (np.dtype(jnp.bfloat16),) * 2)
 
 
+# `Report.summary`'s line, as the tables' `explain` column shows it.
+SUMMARY = re.compile(r"\d+ ops?: \d+ \w+(, \d+ \w+)*; "
+                     r"casts: \d+ inserted by op rules, \d+ in the traced code")
+
+
+def explain_cells(out):
+  """Run name -> the `explain` cell (the last) of each row of the table."""
+  rows = [l for l in out.splitlines()
+          if l.startswith("| ") and not l.startswith("| run ")]
+  return {l.split(" | ")[0][2:]: l.split(" | ")[-1].rstrip(" |") for l in rows}
+
+
 # --- Each example, as a file, from another directory --------------------------
 
 
@@ -67,7 +80,11 @@ def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
           "skipped steps | compile (s) | train time (s) | explain |") in out
   assert "| f32 | p=f32,c=f32,o=f32 | NoOp |" in out
   assert "| bf16 | p=f32,c=bf16,o=f32 | NoOp |" in out
-  assert "bfloat16" in out.split("| bf16 |")[1].splitlines()[0]  # explain
+  cells = explain_cells(out)
+  assert all(SUMMARY.fullmatch(c) for c in cells.values()), cells
+  assert cells["f32"].endswith("; casts: 0 inserted by op rules, "
+                               "0 in the traced code")  # Nothing to cast.
+  assert "bfloat16" in cells["bf16"]
   assert "[bf16] test accuracy:" in out
   assert "[bf16] step     3/3" in out
   assert png.stat().st_size > 0
@@ -80,6 +97,7 @@ def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
       "--attention_policy=full", "--mp_scale_type=Dynamic", cwd=tmp_path)
   assert_ok(rc, out, err)
   assert "| bf16+dynamic+attn:f32 | p=f32,c=bf16,o=f32 | Dynamic |" in out
+  assert SUMMARY.fullmatch(explain_cells(out)["bf16+dynamic+attn:f32"])
   assert "| f32 |" not in out  # No --compare: no baseline.
   assert "[bf16+dynamic+attn:f32] test accuracy:" in out
 
@@ -183,6 +201,18 @@ def test_plot_has_a_panel_per_series_and_a_difference_panel(tmp_path):
   assert height("one.png") == 260  # Just the loss: no scale, no extras.
 
 
+def test_explain_column_is_the_library_summary():
+  report = import_example("mp_report")
+  f = mpolicy.amp(lambda x, w: jnp.exp(x.astype(jnp.bfloat16) @ w),
+                  "p=f32,c=bf16,o=f32")
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  line = report.explain_summary(f, x, w)
+  assert line == mpolicy.explain(f, x, w).summary() == (
+      "3 ops: 2 bfloat16, 1 float32; "
+      "casts: 1 inserted by op rules, 1 in the traced code")
+  assert SUMMARY.fullmatch(line)
+
+
 # --- Flax and Equinox ------------------------------------------------------------
 
 
@@ -193,6 +223,7 @@ def test_flax_example_runs_as_a_file(tmp_path):
   assert_ok(rc, out, err)
   assert "| f32 | p=f32,c=f32,o=f32 | NoOp |" in out
   assert "| bf16 | p=f32,c=bf16,o=f32 | NoOp |" in out
+  assert all(SUMMARY.fullmatch(c) for c in explain_cells(out).values())
   assert "[bf16] step     3/3" in out
 
 
@@ -221,6 +252,7 @@ def test_equinox_example_runs_as_a_file(tmp_path):
                              "--mp_scale_type=Dynamic", cwd=tmp_path)
   assert_ok(rc, out, err)
   assert "| f16+dynamic | p=f32,c=f16,o=f32 | Dynamic |" in out
+  assert SUMMARY.fullmatch(explain_cells(out)["f16+dynamic"])
   assert "| f32 |" not in out
 
 

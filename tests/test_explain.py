@@ -46,9 +46,11 @@ def test_rows_say_dtype_and_who_decided():
 def test_totals():
   report = explain(amp(_fn, HALF), X, W)
   assert report.casts_inserted == sum(r.casts for r in report.rows) >= 3
+  assert report.casts_in_code == 0  # _fn writes no astype.
   per = report.ops_per_dtype
   assert per["bfloat16"] >= 2 and per["float32"] >= 3
   assert sum(per.values()) == len(report.rows)
+  assert list(per.values()) == sorted(per.values(), reverse=True)  # Most first.
 
 
 def test_str_is_a_readable_table():
@@ -56,7 +58,65 @@ def test_str_is_a_readable_table():
   first = text.splitlines()[0]
   for col in ("scope", "primitive", "inputs", "ran in", "decided by"):
     assert col in first
-  assert "dot_general" in text and "casts inserted" in text
+  assert "dot_general" in text and "inserted by op rules" in text
+
+
+# --- summary(): one line, the same in str(report) and the examples -----------
+
+
+def test_summary_of_amp_exp_on_bfloat16():
+  report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
+  assert report.summary() == (
+      "1 op: 1 float32; casts: 1 inserted by op rules, 0 in the traced code")
+
+
+def test_summary_of_matmul_then_exp():
+  f = amp(lambda x, w: jnp.exp(x @ w), HALF)
+  assert explain(f, X, W).summary() == (
+      "2 ops: 1 bfloat16, 1 float32; "
+      "casts: 2 inserted by op rules, 0 in the traced code")
+
+
+def test_summary_counts_casts_in_the_code_apart():
+  f = amp(lambda x, w: jnp.exp(x.astype(jnp.bfloat16) @ w), HALF)
+  report = explain(f, X, W)
+  # The astype is a row (an op, in bfloat16) and a cast in the code, not
+  # one the op rules inserted (they cast only w, for the matmul), though
+  # its row records the replayed cast.
+  (astype,) = _rows(report, "convert_element_type")
+  assert astype.rule == "explicit cast" and astype.casts == 1
+  assert report.casts_in_code == 1 and report.casts_inserted == 1
+  assert report.summary() == (
+      "3 ops: 2 bfloat16, 1 float32; "
+      "casts: 1 inserted by op rules, 1 in the traced code")
+
+
+def test_summary_of_nothing():
+  assert Report(rows=()).summary() == (
+      "0 ops; casts: 0 inserted by op rules, 0 in the traced code")
+
+
+def test_str_ends_with_the_summary_line():
+  report = explain(amp(_fn, HALF), X, W)
+  assert str(report).splitlines()[-1] == report.summary()
+  plain = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
+  assert plain.note and str(plain).splitlines()[-1] == plain.summary()
+  assert plain.note in str(plain)
+
+
+def test_to_dict_totals_are_the_summary_numbers():
+  f = amp(lambda x, w: jnp.exp(x.astype(jnp.bfloat16) @ w), HALF)
+  for report in (explain(amp(_fn, HALF), X, W), explain(f, X, W)):
+    totals = report.to_dict()["totals"]
+    assert totals == {"ops": len(report.rows),
+                      "ops_per_dtype": report.ops_per_dtype,
+                      "casts_inserted": report.casts_inserted,
+                      "casts_in_code": report.casts_in_code}
+    assert sum(totals["ops_per_dtype"].values()) == totals["ops"]
+    per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
+    assert report.summary() == (
+        f"{totals['ops']} ops: {per}; casts: {totals['casts_inserted']} "
+        f"inserted by op rules, {totals['casts_in_code']} in the traced code")
 
 
 def test_to_dict_is_plain_data():

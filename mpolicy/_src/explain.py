@@ -30,6 +30,8 @@ Row = recording.Decision
 class Report:
   """What `explain` found: rows and totals.
 
+  ``str(report)`` is a table, one line per row, ending in `summary`'s line.
+
   Attributes:
     rows: one `Row` per primitive run, in trace order.
     note: how the function was interpreted (e.g. wrapped in `amp`).
@@ -39,6 +41,8 @@ class Report:
   >>> report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
   >>> report.ops_per_dtype, report.casts_inserted
   ({'float32': 1}, 1)
+  >>> report.summary()
+  '1 op: 1 float32; casts: 1 inserted by op rules, 0 in the traced code'
 
   See also: `explain`.
   """
@@ -47,8 +51,23 @@ class Report:
 
   @property
   def casts_inserted(self) -> int:
-    """Casts the interpreter added (not those written in the code)."""
-    return sum(r.casts for r in self.rows)
+    """Casts the interpreter added for its op rules (not those in the code).
+
+    An explicit cast's row records the cast it replays as its own
+    (``Row.casts``); that one is the code's, counted by `casts_in_code`.
+    """
+    return sum(r.casts for r in self.rows if r.rule != "explicit cast")
+
+  @property
+  def casts_in_code(self) -> int:
+    """Casts in the traced code (rows whose rule is ``"explicit cast"``).
+
+    The function's own ``astype`` calls, and the casts at Haiku module
+    boundaries that `transform_amp`'s module policies make before the
+    interpreter runs. They are rows, so `ops_per_dtype` counts them too (in
+    their result dtype).
+    """
+    return sum(r.rule == "explicit cast" for r in self.rows)
 
   @property
   def custom_rules(self) -> dict[str, str]:
@@ -58,17 +77,49 @@ class Report:
 
   @property
   def ops_per_dtype(self) -> dict[str, int]:
-    """How many primitives ran in each dtype."""
-    return dict(collections.Counter(r.ran_in for r in self.rows))
+    """How many primitives ran in each dtype: most first, ties by name."""
+    counts = collections.Counter(r.ran_in for r in self.rows)
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+  def summary(self) -> str:
+    """The totals in one line, as `str` ends and the examples print them.
+
+    ``"{ops} ops: {n} {dtype}, ...; casts: {i} inserted by op rules, {c} in
+    the traced code"`` (``"1 op"`` for one): every primitive run
+    (`ops_per_dtype`, most first; explicit casts are ops too), then the
+    casts the interpreter inserted for its op rules (`casts_inserted`) and
+    those in the traced code (`casts_in_code`).
+    The same numbers are ``to_dict()["totals"]``.
+
+    >>> import jax.numpy as jnp
+    >>> import mpolicy
+    >>> f = mpolicy.amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
+    >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
+    '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by op rules, 0 in the traced code'
+    """
+    totals = self._totals()
+    per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
+    ops = f"{totals['ops']} op{'' if totals['ops'] == 1 else 's'}"
+    return (f"{ops}{': ' + per if per else ''}; "
+            f"casts: {totals['casts_inserted']} inserted by op rules, "
+            f"{totals['casts_in_code']} in the traced code")
+
+  def _totals(self) -> dict[str, Any]:
+    return {"ops": len(self.rows),
+            "ops_per_dtype": self.ops_per_dtype,
+            "casts_inserted": self.casts_inserted,
+            "casts_in_code": self.casts_in_code}
 
   def to_dict(self) -> dict[str, Any]:
-    """Plain data (lists, dicts, strings, ints) for logging or JSON."""
+    """Plain data (lists, dicts, strings, ints) for logging or JSON.
+
+    ``"totals"`` holds the numbers `summary` prints: ``ops``,
+    ``ops_per_dtype``, ``casts_inserted`` and ``casts_in_code``.
+    """
     return {
         "rows": [dataclasses.asdict(r) | {"in_dtypes": list(r.in_dtypes)}
                  for r in self.rows],
-        "totals": {"casts_inserted": self.casts_inserted,
-                   "ops_per_dtype": self.ops_per_dtype,
-                   "ops": len(self.rows)},
+        "totals": self._totals(),
         "note": self.note,
     }
 
@@ -85,11 +136,9 @@ class Report:
 
     out = [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 10,))]
     out += [fmt(l) for l in lines]
-    per = ", ".join(f"{d}: {n}" for d, n in sorted(self.ops_per_dtype.items()))
-    out.append(f"{len(self.rows)} ops ({per}); "
-               f"{self.casts_inserted} casts inserted")
     if self.note:
       out.append(self.note)
+    out.append(self.summary())
     return "\n".join(out)
 
 
