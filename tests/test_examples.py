@@ -57,7 +57,7 @@ def bf16_dots(fn, *args):
 
 # `Report.summary`'s line, as the tables' `explain` column shows it.
 SUMMARY = re.compile(r"\d+ ops?: \d+ \w+(, \d+ \w+)*; "
-                     r"casts: \d+ inserted by op rules, \d+ in the traced code")
+                     r"casts: \d+ by op rules, \d+ by module policies, \d+ in the code")
 
 
 def explain_cells(out):
@@ -82,8 +82,8 @@ def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   assert "| bf16 | p=f32,c=bf16,o=f32 | NoOp |" in out
   cells = explain_cells(out)
   assert all(SUMMARY.fullmatch(c) for c in cells.values()), cells
-  assert cells["f32"].endswith("; casts: 0 inserted by op rules, "
-                               "0 in the traced code")  # Nothing to cast.
+  assert cells["f32"].endswith("; casts: 0 by op rules, "
+                               "0 by module policies, 0 in the code")  # Nothing to cast.
   assert "bfloat16" in cells["bf16"]
   assert "[bf16] test accuracy:" in out
   assert "[bf16] step     3/3" in out
@@ -209,7 +209,7 @@ def test_explain_column_is_the_library_summary():
   line = report.explain_summary(f, x, w)
   assert line == mpolicy.explain(f, x, w).summary() == (
       "3 ops: 2 bfloat16, 1 float32; "
-      "casts: 1 inserted by op rules, 1 in the traced code")
+      "casts: 1 by op rules, 0 by module policies, 1 in the code")
   assert SUMMARY.fullmatch(line)
 
 

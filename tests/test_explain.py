@@ -58,7 +58,7 @@ def test_str_is_a_readable_table():
   first = text.splitlines()[0]
   for col in ("scope", "primitive", "inputs", "ran in", "decided by"):
     assert col in first
-  assert "dot_general" in text and "inserted by op rules" in text
+  assert "dot_general" in text and "by op rules" in text
 
 
 # --- summary(): one line, the same in str(report) and the examples -----------
@@ -67,33 +67,32 @@ def test_str_is_a_readable_table():
 def test_summary_of_amp_exp_on_bfloat16():
   report = explain(amp(jnp.exp), jnp.ones(3, jnp.bfloat16))
   assert report.summary() == (
-      "1 op: 1 float32; casts: 1 inserted by op rules, 0 in the traced code")
+      "1 op: 1 float32; casts: 1 by op rules, 0 by module policies, 0 in the code")
 
 
 def test_summary_of_matmul_then_exp():
   f = amp(lambda x, w: jnp.exp(x @ w), HALF)
   assert explain(f, X, W).summary() == (
       "2 ops: 1 bfloat16, 1 float32; "
-      "casts: 2 inserted by op rules, 0 in the traced code")
+      "casts: 2 by op rules, 0 by module policies, 0 in the code")
 
 
 def test_summary_counts_casts_in_the_code_apart():
   f = amp(lambda x, w: jnp.exp(x.astype(jnp.bfloat16) @ w), HALF)
   report = explain(f, X, W)
   # The astype is a row (an op, in bfloat16) and a cast in the code, not
-  # one the op rules inserted (they cast only w, for the matmul), though
-  # its row records the replayed cast.
+  # one the op rules inserted (they cast only w, for the matmul).
   (astype,) = _rows(report, "convert_element_type")
-  assert astype.rule == "explicit cast" and astype.casts == 1
+  assert astype.rule == "explicit cast" and astype.casts == 0
   assert report.casts_in_code == 1 and report.casts_inserted == 1
   assert report.summary() == (
       "3 ops: 2 bfloat16, 1 float32; "
-      "casts: 1 inserted by op rules, 1 in the traced code")
+      "casts: 1 by op rules, 0 by module policies, 1 in the code")
 
 
 def test_summary_of_nothing():
   assert Report(rows=()).summary() == (
-      "0 ops; casts: 0 inserted by op rules, 0 in the traced code")
+      "0 ops; casts: 0 by op rules, 0 by module policies, 0 in the code")
 
 
 def test_str_ends_with_the_summary_line():
@@ -111,12 +110,14 @@ def test_to_dict_totals_are_the_summary_numbers():
     assert totals == {"ops": len(report.rows),
                       "ops_per_dtype": report.ops_per_dtype,
                       "casts_inserted": report.casts_inserted,
+                      "casts_by_policies": report.casts_by_policies,
                       "casts_in_code": report.casts_in_code}
     assert sum(totals["ops_per_dtype"].values()) == totals["ops"]
     per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
     assert report.summary() == (
         f"{totals['ops']} ops: {per}; casts: {totals['casts_inserted']} "
-        f"inserted by op rules, {totals['casts_in_code']} in the traced code")
+        f"by op rules, {totals['casts_by_policies']} by module policies, "
+        f"{totals['casts_in_code']} in the code")
 
 
 def test_to_dict_is_plain_data():

@@ -42,7 +42,7 @@ class Report:
   >>> report.ops_per_dtype, report.casts_inserted
   ({'float32': 1}, 1)
   >>> report.summary()
-  '1 op: 1 float32; casts: 1 inserted by op rules, 0 in the traced code'
+  '1 op: 1 float32; casts: 1 by op rules, 0 by module policies, 0 in the code'
 
   See also: `explain`.
   """
@@ -51,22 +51,19 @@ class Report:
 
   @property
   def casts_inserted(self) -> int:
-    """Casts the interpreter added for its op rules (not those in the code).
+    """Casts the interpreter inserted for its op rules."""
+    return sum(r.casts for r in self.rows)
 
-    An explicit cast's row records the cast it replays as its own
-    (``Row.casts``); that one is the code's, counted by `casts_in_code`.
-    """
-    return sum(r.casts for r in self.rows if r.rule != "explicit cast")
+  @property
+  def casts_by_policies(self) -> int:
+    """Casts made for module policies by `transform_amp` (rows whose rule is
+    ``"policy cast"``): parameters, inputs and outputs at module calls."""
+    return sum(r.rule == "policy cast" for r in self.rows)
 
   @property
   def casts_in_code(self) -> int:
-    """Casts in the traced code (rows whose rule is ``"explicit cast"``).
-
-    The function's own ``astype`` calls, and the casts at Haiku module
-    boundaries that `transform_amp`'s module policies make before the
-    interpreter runs. They are rows, so `ops_per_dtype` counts them too (in
-    their result dtype).
-    """
+    """Casts written in the traced code (rows whose rule is
+    ``"explicit cast"``), such as the function's own ``astype`` calls."""
     return sum(r.rule == "explicit cast" for r in self.rows)
 
   @property
@@ -84,37 +81,41 @@ class Report:
   def summary(self) -> str:
     """The totals in one line, as `str` ends and the examples print them.
 
-    ``"{ops} ops: {n} {dtype}, ...; casts: {i} inserted by op rules, {c} in
-    the traced code"`` (``"1 op"`` for one): every primitive run
-    (`ops_per_dtype`, most first; explicit casts are ops too), then the
-    casts the interpreter inserted for its op rules (`casts_inserted`) and
-    those in the traced code (`casts_in_code`).
+    ``"{ops} ops: {n} {dtype}, ...; casts: {i} by op rules, {p} by module
+    policies, {c} in the code"`` (``"1 op"`` for one): every primitive run
+    (`ops_per_dtype`, most first; casts are ops too), then the casts the
+    interpreter inserted for its op rules (`casts_inserted`), those made
+    for module policies (`casts_by_policies`) and those written in the code
+    (`casts_in_code`).
     The same numbers are ``to_dict()["totals"]``.
 
     >>> import jax.numpy as jnp
     >>> import mpolicy
     >>> f = mpolicy.amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
     >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
-    '2 ops: 1 bfloat16, 1 float32; casts: 2 inserted by op rules, 0 in the traced code'
+    '2 ops: 1 bfloat16, 1 float32; casts: 2 by op rules, 0 by module policies, 0 in the code'
     """
     totals = self._totals()
     per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
     ops = f"{totals['ops']} op{'' if totals['ops'] == 1 else 's'}"
     return (f"{ops}{': ' + per if per else ''}; "
-            f"casts: {totals['casts_inserted']} inserted by op rules, "
-            f"{totals['casts_in_code']} in the traced code")
+            f"casts: {totals['casts_inserted']} by op rules, "
+            f"{totals['casts_by_policies']} by module policies, "
+            f"{totals['casts_in_code']} in the code")
 
   def _totals(self) -> dict[str, Any]:
     return {"ops": len(self.rows),
             "ops_per_dtype": self.ops_per_dtype,
             "casts_inserted": self.casts_inserted,
+            "casts_by_policies": self.casts_by_policies,
             "casts_in_code": self.casts_in_code}
 
   def to_dict(self) -> dict[str, Any]:
     """Plain data (lists, dicts, strings, ints) for logging or JSON.
 
     ``"totals"`` holds the numbers `summary` prints: ``ops``,
-    ``ops_per_dtype``, ``casts_inserted`` and ``casts_in_code``.
+    ``ops_per_dtype``, ``casts_inserted``, ``casts_by_policies`` and
+    ``casts_in_code``.
     """
     return {
         "rows": [dataclasses.asdict(r) | {"in_dtypes": list(r.in_dtypes)}

@@ -588,8 +588,11 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
       and len(outs) == 1):
     env.mark_param(outs[0])
   if recording.active() and not quiet:
-    recording.record(_decision(op, invals, outs, names,
-                               env.inserted - casts_before))
+    # A cast in the traced code (or made for a module's policy) is the
+    # code's own, even though the environment makes it: not counted.
+    inserted = (0 if op.rule in ("explicit cast", "policy cast")
+                else env.inserted - casts_before)
+    recording.record(_decision(op, invals, outs, names, inserted))
   return outs
 
 
