@@ -20,11 +20,12 @@ from mpolicy._src.loss_scale import StaticLossScale
 
 from mpolicy._src.registry import clear_policies
 from mpolicy._src.registry import clear_policy
-from mpolicy._src.registry import explain_policy
-from mpolicy._src.registry import PolicyExplanation
 from mpolicy._src.registry import policy_for
 from mpolicy._src.registry import push_policy
 from mpolicy._src.registry import set_policy
+
+from mpolicy._src.haiku_registry import explain_policy
+from mpolicy._src.haiku_registry import PolicyExplanation
 
 from mpolicy._src.op_rules import DEFAULT_RULES
 from mpolicy._src.op_rules import OpRules

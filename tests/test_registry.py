@@ -1,5 +1,6 @@
 """The policy registry: keys, precedence, pushes, threads and errors."""
 
+import sys
 import threading
 
 import haiku as hk
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import mpolicy
+from mpolicy._src import haiku_registry
 from mpolicy._src import registry
 from mpolicy._src import regions
 
@@ -25,7 +27,7 @@ class MyDeepLinear(MyLinear):
 
 
 def _policy(name, cls, enclosing=None):
-  region = registry.region_for_module(name, cls, enclosing)
+  region = haiku_registry.region_for_module(name, cls, enclosing)
   return None if region is None else region.policy
 
 
@@ -59,7 +61,7 @@ def test_hk_module_is_only_the_default():
   mpolicy.set_policy(hk.Module, HALF)
   mpolicy.set_policy(hk.BatchNorm, FULL)
   assert _policy("bn", hk.BatchNorm) == FULL
-  region = registry.region_for_module("lin", hk.Linear, None)
+  region = haiku_registry.region_for_module("lin", hk.Linear, None)
   assert region.policy == HALF
   assert region.decided_by == "default hk.Module"
 
@@ -74,14 +76,15 @@ def test_pattern_on_own_name_beats_class():
 def test_class_beats_enclosing_pattern():
   mpolicy.set_policy("encoder", HALF)
   mpolicy.set_policy(hk.BatchNorm, FULL)
-  outer = registry.region_for_module("encoder", hk.Module, None)
+  outer = haiku_registry.region_for_module("encoder", hk.Module, None)
   assert outer.policy == HALF
-  bn = registry.region_for_module("encoder/~/batch_norm", hk.BatchNorm, outer)
+  bn = haiku_registry.region_for_module("encoder/~/batch_norm", hk.BatchNorm,
+                                        outer)
   assert bn.policy == FULL
   assert not bn.inherited
   # The moving averages inside BatchNorm inherit full from it.
-  ema = registry.region_for_module("encoder/~/batch_norm/~/mean_ema",
-                                   hk.ExponentialMovingAverage, bn)
+  ema = haiku_registry.region_for_module("encoder/~/batch_norm/~/mean_ema",
+                                         hk.ExponentialMovingAverage, bn)
   assert ema.policy == FULL
   assert ema.inherited
 
@@ -90,13 +93,13 @@ def test_enclosing_beats_default():
   mpolicy.set_policy(hk.Module, FULL)
   outer = regions.Region(policy=HALF, decided_by="pattern 'enc'",
                          module_name="enc")
-  inner = registry.region_for_module("enc/~/linear", hk.Linear, outer)
+  inner = haiku_registry.region_for_module("enc/~/linear", hk.Linear, outer)
   assert inner.policy == HALF
   assert inner.decided_by == "inherited from enc"
 
 
 def test_nothing_governs_without_entries():
-  assert registry.region_for_module("lin", hk.Linear, None) is None
+  assert haiku_registry.region_for_module("lin", hk.Linear, None) is None
 
 
 def test_longest_match_most_components_wins():
@@ -166,14 +169,25 @@ def test_clear_inside_push_clears_for_this_thread():
 def test_bad_keys_raise_type_error_and_register_nothing(bad):
   with pytest.raises(TypeError, match="Haiku module class.*name pattern"):
     mpolicy.set_policy(bad, HALF)
-  assert registry._REGISTRY.snapshot() == {}
+  assert registry.snapshot() == {}
+
+
+def test_class_keys_are_checked_without_importing_haiku(monkeypatch):
+  # As if Haiku had never been imported: no class can subclass its Module,
+  # and checking a key must not import it.
+  monkeypatch.delitem(sys.modules, "haiku")
+  with pytest.raises(TypeError, match="Haiku module class.*name pattern"):
+    mpolicy.set_policy(hk.Linear, HALF)
+  assert "haiku" not in sys.modules
+  mpolicy.set_policy("encoder", HALF)  # Patterns need no Haiku.
+  assert registry.snapshot() == {"encoder": HALF}
 
 
 @pytest.mark.parametrize("bad", ["", "   "])
 def test_empty_pattern_raises_value_error(bad):
   with pytest.raises(ValueError, match="non-empty"):
     mpolicy.set_policy(bad, HALF)
-  assert registry._REGISTRY.snapshot() == {}
+  assert registry.snapshot() == {}
 
 
 def test_bad_policies_raise_and_register_nothing():
@@ -186,7 +200,7 @@ def test_bad_policies_raise_and_register_nothing():
   with pytest.raises(ValueError):
     with mpolicy.push_policy(hk.Linear, "p=f16=f32"):
       pass
-  assert registry._REGISTRY.snapshot() == {}
+  assert registry.snapshot() == {}
 
 
 def test_explain_policy_names_the_winning_entry():

@@ -2,10 +2,10 @@
 
 Four Haiku hooks do the work while the forward function is traced:
 
-- a method interceptor resolves the policy of each module call (via the
-  registry), casts its floating inputs to the compute dtype, tags the call's
-  region for the interpreter, and casts its floating outputs to the output
-  dtype;
+- a method interceptor resolves the policy of each module call (via
+  `haiku_registry`), casts its floating inputs to the compute dtype, tags
+  the call's region for the interpreter, and casts its floating outputs to
+  the output dtype;
 - a creator makes parameters and state in the param dtype;
 - a getter hands parameters and state to the module in the compute dtype;
 - a setter stores state (e.g. BatchNorm's moving averages) back in the param
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import jax_compat
+from mpolicy._src import haiku_registry
 from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
@@ -144,7 +145,7 @@ def _warn_if_haiku_policy(cls: type) -> None:
     if cls in _warned_classes:
       return
     _warned_classes.add(cls)
-  name = registry.module_class_name(cls)
+  name = haiku_registry.module_class_name(cls)
   warnings.warn(
       f"hk.mixed_precision has a policy for {name} ({policy}) as well as "
       "mpolicy: inside transform_amp both apply to its calls. Remove it "
@@ -164,8 +165,8 @@ def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
                               and enclosing.full_precision):
     region = None
   else:
-    region = registry.region_for_module(module.module_name, type(module),
-                                        enclosing)
+    region = haiku_registry.region_for_module(module.module_name,
+                                              type(module), enclosing)
   if region is None:
     with _entered(None):
       return next_f(*args, **kwargs)

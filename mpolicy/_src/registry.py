@@ -1,25 +1,26 @@
-"""The policy registry: which policy governs a module call or a named scope.
+"""The policy registry: a table from keys to policies, and name matching.
 
-Keys are Haiku module classes (looked up along the MRO) or name patterns
-(`fnmatch` globs over full Haiku module names, or over `jax.named_scope`
-paths in plain JAX code). `set_policy` writes a process-global table;
-`push_policy` overlays it for the current thread only, so several threads
-may trace under different pushes at once. Classes are keyed by module and
-qualified name, so a policy survives an `importlib.reload` of the module
-that defines the class.
+Keys are Haiku module classes or name patterns (`fnmatch` globs over full
+Haiku module names, or over `jax.named_scope` paths in plain JAX code).
+`set_policy` writes a process-global table; `push_policy` overlays it for
+the current thread only, so several threads may trace under different
+pushes at once. Classes are keyed by module and qualified name, so a policy
+survives an `importlib.reload` of the module that defines the class.
 
 The registry's state is part of every `jax.jit` cache key: a function
 compiled under one state is retraced, never reused, under another (a
 `set_policy` after the first call, or another thread's push).
 
-Precedence for a module call, most specific first:
+This module has no Haiku dependency: it never imports Haiku, so the
+interpreter, which resolves named scopes through `region_for_scopes`, runs
+without it. Class keys are checked against ``haiku.Module`` only if Haiku
+is already imported (if it is not, no class can subclass it). Looking a
+module class up along its MRO, the ``hk.Module`` default and
+`explain_policy` live in `haiku_registry`, beside the Haiku bridge.
 
-1. a pattern matching the module's own full name (most `/`-components,
-   then fewest wildcards, then the longest pattern);
-2. the nearest class in the module's MRO with a policy, `hk.Module` excepted;
-3. what governs the enclosing module call or named scope (inheritance);
-4. the policy set on `hk.Module` (the default);
-5. nothing: the code runs as written.
+For code under named scopes, the most specific pattern matching the scope
+path (most `/`-components, then fewest wildcards, then the longest
+pattern) governs what is inside, and the innermost decision wins.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import fnmatch
+import sys
 import threading
 from typing import Any, Optional, Union
 
-import haiku as hk
 import jax
 
 from mpolicy._src import policy as policy_lib
@@ -41,6 +42,17 @@ Key = Union[type, str]
 PolicyLike = Any  # A Policy, a jmp.Policy or a spec string.
 
 _WILDCARDS = "*?["
+
+
+def _is_haiku_module_class(cls: type) -> bool:
+  """Whether ``cls`` subclasses ``haiku.Module``, without importing Haiku.
+
+  If Haiku has not been imported, no class can subclass its ``Module``, so
+  the answer is ``False`` and nothing is imported to find that out.
+  """
+  haiku = sys.modules.get("haiku")
+  module_base = getattr(haiku, "Module", None)
+  return isinstance(module_base, type) and issubclass(cls, module_base)
 
 
 def _check_key(key: Any) -> Key:
@@ -56,7 +68,7 @@ def _check_key(key: Any) -> Key:
           "spaces; module names never do. Use "
           f"{key.strip()!r}.")
     return key
-  if isinstance(key, type) and issubclass(key, hk.Module):
+  if isinstance(key, type) and _is_haiku_module_class(key):
     return key
   raise TypeError(
       "set_policy: the key must be a Haiku module class (e.g. hk.BatchNorm, "
@@ -76,11 +88,25 @@ def _check_policy(policy: PolicyLike) -> policy_lib.Policy:
 
 
 def key_name(key: Key) -> str:
-  """A readable name for a registry key (``hk.BatchNorm``, ``'enc*'``)."""
+  """A readable name for a registry key.
+
+  Args:
+    key: a name pattern or a class.
+
+  Returns:
+    ``repr`` of a pattern; ``hk.`` and the qualified name for a class from
+    the ``haiku`` package (read off ``__module__``, so nothing is
+    imported); the module and qualified name for any other class.
+
+  >>> key_name("enc*")
+  "'enc*'"
+  >>> key_name(dict)
+  'builtins.dict'
+  """
   if isinstance(key, str):
     return repr(key)
   module = key.__module__
-  if module.startswith("haiku"):
+  if module == "haiku" or module.startswith("haiku."):
     return f"hk.{key.__qualname__}"
   return f"{module}.{key.__qualname__}"
 
@@ -107,9 +133,6 @@ def _table_key(key: Key) -> Any:
   if isinstance(key, str) or "<locals>" in key.__qualname__:
     return key
   return _ClassKey(key.__module__, key.__qualname__)
-
-
-_MODULE_KEY = _table_key(hk.Module)
 
 
 class _Push:
@@ -216,12 +239,15 @@ _REGISTRY = _Registry()
 def set_policy(key: Key, policy: PolicyLike) -> None:
   """Registers ``policy`` for a module class or a name pattern, globally.
 
-  >>> import haiku as hk, mpolicy
-  >>> mpolicy.set_policy(hk.BatchNorm, "full")
+  >>> import mpolicy
+  >>> mpolicy.set_policy("encoder", "full")
   >>> mpolicy.set_policy("encoder/~/attention", "p=f32,c=bf16,o=f32")
-  >>> str(mpolicy.policy_for(hk.BatchNorm))
+  >>> str(mpolicy.policy_for("encoder"))
   'p=f32,c=f32,o=f32'
   >>> mpolicy.clear_policies()
+
+  With Haiku, ``mpolicy.set_policy(hk.BatchNorm, "full")`` keys a class
+  the same way.
 
   Args:
     key: a Haiku module class (the policy covers its subclasses too;
@@ -246,14 +272,13 @@ def set_policy(key: Key, policy: PolicyLike) -> None:
 def policy_for(key: Key) -> Optional[policy_lib.Policy]:
   """The policy set for exactly this key (no MRO, no patterns), or ``None``.
 
-  >>> import haiku as hk, mpolicy
-  >>> mpolicy.policy_for(hk.Linear) is None
+  >>> import mpolicy
+  >>> mpolicy.policy_for("encoder") is None
   True
 
   See also: `explain_policy` for what actually governs a module.
   """
-  key = _check_key(key)
-  return _REGISTRY.snapshot().get(_table_key(key))
+  return lookup(snapshot(), _check_key(key))
 
 
 def clear_policy(key: Key) -> None:
@@ -265,10 +290,10 @@ def clear_policy(key: Key) -> None:
   once. When a cancelled block exits it restores nothing. Other threads'
   pushes are theirs and stay.
 
-  >>> import haiku as hk, mpolicy
-  >>> mpolicy.set_policy(hk.Linear, "half")
-  >>> mpolicy.clear_policy(hk.Linear)
-  >>> mpolicy.policy_for(hk.Linear) is None
+  >>> import mpolicy
+  >>> mpolicy.set_policy("encoder", "half")
+  >>> mpolicy.clear_policy("encoder")
+  >>> mpolicy.policy_for("encoder") is None
   True
 
   See also: `clear_policies`, `set_policy`.
@@ -299,11 +324,11 @@ def push_policy(key: Key, policy: PolicyLike) -> Iterator[None]:
   shadows a `set_policy` of the same key; `clear_policy` of the key cancels
   the push.
 
-  >>> import haiku as hk, mpolicy
-  >>> with mpolicy.push_policy(hk.Linear, "p=f32,c=bf16,o=f32"):
-  ...   print(mpolicy.policy_for(hk.Linear))
+  >>> import mpolicy
+  >>> with mpolicy.push_policy("encoder", "p=f32,c=bf16,o=f32"):
+  ...   print(mpolicy.policy_for("encoder"))
   p=f32,c=bf16,o=f32
-  >>> mpolicy.policy_for(hk.Linear) is None
+  >>> mpolicy.policy_for("encoder") is None
   True
 
   See also: `set_policy`.
@@ -317,7 +342,43 @@ def push_policy(key: Key, policy: PolicyLike) -> Iterator[None]:
     _REGISTRY.pop(token)
 
 
-# --- Resolution ---------------------------------------------------------------
+# --- Reading the table --------------------------------------------------------
+
+
+def snapshot() -> dict[Any, policy_lib.Policy]:
+  """The entries in force for this thread: the global table, pushes on top.
+
+  Returns:
+    A new dict (changing it changes nothing) from table keys to policies.
+    Patterns are their own keys; classes are keyed by module and qualified
+    name, so read a class's entry with `lookup` rather than indexing.
+
+  >>> from mpolicy._src import registry
+  >>> with registry.push_policy("encoder", "p=f32,c=bf16,o=f32"):
+  ...   print(registry.snapshot()["encoder"])
+  p=f32,c=bf16,o=f32
+  """
+  return _REGISTRY.snapshot()
+
+
+def lookup(table: dict[Any, policy_lib.Policy],
+           key: Key) -> Optional[policy_lib.Policy]:
+  """The policy ``table`` holds for exactly ``key``, or ``None``.
+
+  Args:
+    table: a `snapshot`.
+    key: a name pattern or a class, as given to `set_policy`.
+
+  Returns:
+    The entry's policy; ``None`` if the key has none (no MRO walk, no
+    pattern matching).
+
+  >>> from mpolicy._src import registry
+  >>> with registry.push_policy("encoder", "full"):
+  ...   print(registry.lookup(registry.snapshot(), "encoder"))
+  p=f32,c=f32,o=f32
+  """
+  return table.get(_table_key(key))
 
 
 def _specificity(pattern: str) -> tuple[int, int, int]:
@@ -326,80 +387,53 @@ def _specificity(pattern: str) -> tuple[int, int, int]:
   return (pattern.count("/") + 1, -wildcards, len(pattern))
 
 
-def _matching_patterns(name: str,
-                       table: dict[Key, policy_lib.Policy]) -> list[str]:
-  """Patterns matching ``name``, most specific first."""
+def matching_patterns(name: str,
+                      table: dict[Any, policy_lib.Policy]) -> list[str]:
+  """The patterns of ``table`` that match ``name``, most specific first.
+
+  Args:
+    name: a full module name or a named-scope path, ``/``-separated.
+    table: a `snapshot`.
+
+  Returns:
+    The matching patterns (`fnmatch` globs, case-sensitive), sorted by
+    most ``/``-components, then fewest wildcards, then longest.
+
+  >>> from mpolicy._src import registry
+  >>> table = {"*": None, "enc*/mlp": None, "encoder/mlp": None, "dec": None}
+  >>> registry.matching_patterns("encoder/mlp", table)
+  ['encoder/mlp', 'enc*/mlp', '*']
+  """
   found = [k for k in table
            if isinstance(k, str) and fnmatch.fnmatchcase(name, k)]
   return sorted(found, key=_specificity, reverse=True)
 
 
-def _class_entry(cls: type, table: dict[Key, policy_lib.Policy]
-                 ) -> Optional[type]:
-  """The nearest class in ``cls``'s MRO with a policy, ``hk.Module`` aside."""
-  for base in cls.__mro__:
-    if base is hk.Module:
-      return None
-    if _table_key(base) in table:
-      return base
-  return None
-
-
-def module_class_name(cls: type) -> str:
-  """``hk.Linear`` for Haiku's classes, the qualified name otherwise."""
-  return key_name(cls)
-
-
-def region_for_module(name: str, cls: type,
-                      enclosing: Optional[regions.Region]
-                      ) -> Optional[regions.Region]:
-  """Which policy governs a call of module ``name`` of class ``cls``.
-
-  Args:
-    name: the module's full Haiku name (``encoder/~/mlp/~/linear_1``).
-    cls: the module's class.
-    enclosing: what governs the enclosing module call or named scope.
-
-  Returns:
-    The governing `Region`, or ``None`` when nothing governs (rule 5).
-  """
-  table = _REGISTRY.snapshot()
-  cls_name = module_class_name(cls)
-
-  def region(policy, decided_by, inherited=False):
-    return regions.Region(policy=policy, decided_by=decided_by,
-                          module_name=name, module_class=cls_name,
-                          inherited=inherited)
-
-  patterns = _matching_patterns(name, table)
-  if patterns:
-    return region(table[patterns[0]], f"pattern {patterns[0]!r}")
-  entry = _class_entry(cls, table)
-  if entry is not None:
-    return region(table[_table_key(entry)], f"class {key_name(entry)}")
-  if enclosing is not None:
-    if enclosing.full_precision:
-      return None
-    if enclosing.policy is not None:
-      source = enclosing.module_name or enclosing.decided_by
-      return region(enclosing.policy, f"inherited from {source}",
-                    inherited=True)
-  if _MODULE_KEY in table:
-    return region(table[_MODULE_KEY], "default hk.Module")
-  return None
-
-
 def region_for_scopes(names: tuple[str, ...],
                       outer: Optional[regions.Region] = None
                       ) -> Optional[regions.Region]:
-  """What governs code traced under the scope ``names`` (outermost first).
+  """What governs code traced under the named scopes ``names``.
 
   Markers written by the Haiku bridge or `full_precision()` set the region
-  directly. Any other scope extends a path, and a registered pattern that
-  matches the path governs what is inside (rule 3). The innermost
-  decision wins; ``outer`` is what governs outside all the scopes.
+  directly. Any other scope extends a path, and the most specific
+  registered pattern that matches the path governs what is inside. The
+  innermost decision wins. No pattern applies inside `full_precision()`.
+
+  Args:
+    names: the scope names, outermost first.
+    outer: what governs outside all the scopes, if anything.
+
+  Returns:
+    The governing `Region` (marked ``inherited`` when a pattern decided),
+    or ``None`` when nothing governs.
+
+  >>> from mpolicy._src import registry
+  >>> with registry.push_policy("encoder", "p=f32,c=bf16,o=f32"):
+  ...   region = registry.region_for_scopes(("encoder", "mlp"))
+  >>> print(region.policy, region.decided_by)
+  p=f32,c=bf16,o=f32 pattern 'encoder'
   """
-  table = _REGISTRY.snapshot()
+  table = snapshot()
   has_patterns = any(isinstance(k, str) for k in table)
   region = outer
   path: list[str] = []
@@ -413,7 +447,7 @@ def region_for_scopes(names: tuple[str, ...],
     path.append(name)
     if has_patterns and not (region is not None and region.full_precision):
       scope = "/".join(path)
-      patterns = _matching_patterns(scope, table)
+      patterns = matching_patterns(scope, table)
       if patterns:
         region = regions.Region(policy=table[patterns[0]],
                                 decided_by=f"pattern {patterns[0]!r}",
@@ -421,109 +455,17 @@ def region_for_scopes(names: tuple[str, ...],
   return region
 
 
-# --- Explanation -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyExplanation:
-  """Which registry entry governs a module, and why.
-
-  Attributes:
-    policy: the winning policy, or ``None`` if nothing governs.
-    key: the registry key that won (a class or a pattern), or ``None``.
-    rule: the precedence rule that decided (1 pattern, 2 class, 4 default,
-      5 none). Rule 3, inheritance, depends on the call site and is
-      described in ``reason``.
-    reason: a sentence saying why.
-    candidates: every entry that matched, most specific first.
-
-  See also: `explain_policy`, which returns it.
-  """
-  policy: Optional[policy_lib.Policy]
-  key: Optional[Key]
-  rule: int
-  reason: str
-  candidates: tuple[str, ...] = ()
-
-  def __str__(self) -> str:
-    lines = [self.reason]
-    if len(self.candidates) > 1:
-      lines.append("  also matched: " + ", ".join(self.candidates[1:]))
-    return "\n".join(lines)
-
-
-def explain_policy(module_name_or_class: Union[str, type],
-                   module_class: Optional[type] = None) -> PolicyExplanation:
-  """Says which registry entry governs a module and why.
-
-  >>> import haiku as hk, mpolicy
-  >>> mpolicy.set_policy(hk.BatchNorm, "full")
-  >>> print(mpolicy.explain_policy(hk.BatchNorm))
-  hk.BatchNorm: p=f32,c=f32,o=f32 from class hk.BatchNorm (rule 2: nearest class in the MRO).
-  >>> mpolicy.clear_policies()
-
-  Args:
-    module_name_or_class: a full module name (``"encoder/~/linear_0"``) or
-      a module class.
-    module_class: with a name, the module's class, so class entries count.
-
-  Returns:
-    A `PolicyExplanation`; ``str()`` of it reads as a sentence. A policy
-    inherited from an enclosing call (rule 3) depends on where the module is
-    called, so it is not decided here: the reason says so.
-
-  See also: `explain` for what each primitive ran in.
-  """
-  if isinstance(module_name_or_class, str):
-    name, cls = module_name_or_class, module_class
-  elif (isinstance(module_name_or_class, type)
-        and issubclass(module_name_or_class, hk.Module)):
-    name, cls = None, module_name_or_class
-  else:
-    raise TypeError(
-        "explain_policy: expected a module name string or a Haiku module "
-        f"class; got {module_name_or_class!r}.")
-  if cls is not None and not (isinstance(cls, type)
-                              and issubclass(cls, hk.Module)):
-    raise TypeError(
-        f"explain_policy: module_class must be a Haiku module class; got "
-        f"{cls!r}.")
-  table = _REGISTRY.snapshot()
-  subject = name if name is not None else key_name(cls)
-  candidates: list[str] = []
-  patterns = _matching_patterns(name, table) if name is not None else []
-  candidates += [repr(p) for p in patterns]
-  entry = _class_entry(cls, table) if cls is not None else None
-  if entry is not None:
-    candidates.append(key_name(entry))
-  if _MODULE_KEY in table:
-    candidates.append("hk.Module")
-  if patterns:
-    key, rule, why = patterns[0], 1, (
-        f"pattern {patterns[0]!r} (rule 1: a pattern on the module's own "
-        "name)")
-  elif entry is not None:
-    key, rule, why = entry, 2, (
-        f"class {key_name(entry)} (rule 2: nearest class in the MRO)")
-  elif _MODULE_KEY in table:
-    key, rule, why = hk.Module, 4, (
-        "default hk.Module (rule 4), unless an enclosing module call or "
-        "named scope has a policy (rule 3)")
-  else:
-    return PolicyExplanation(
-        policy=None, key=None, rule=5, candidates=(),
-        reason=(f"{subject}: no entry matches; it inherits the policy of an "
-                "enclosing module call or named scope if there is one "
-                "(rule 3), otherwise it runs as written (rule 5)."))
-  policy = table[_table_key(key)]
-  return PolicyExplanation(
-      policy=policy, key=key, rule=rule, candidates=tuple(candidates),
-      reason=f"{subject}: {policy} from {why}.")
-
-
 def state_key() -> frozenset:
   """A hashable snapshot of the entries in force for this thread.
 
-  Classes appear under their table keys (module and qualified name).
+  Returns:
+    A frozenset of (table key, policy) pairs; classes appear under their
+    table keys (module and qualified name).
+
+  >>> from mpolicy._src import registry
+  >>> before = registry.state_key()
+  >>> with registry.push_policy("encoder", "full"):
+  ...   print(registry.state_key() == before)
+  False
   """
-  return frozenset(_REGISTRY.snapshot().items())
+  return frozenset(snapshot().items())
