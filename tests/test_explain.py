@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 
+import mpolicy
 from mpolicy._src.explain import explain
 from mpolicy._src.explain import Report
 from mpolicy._src.amp import amp
@@ -170,3 +171,28 @@ def test_haiku_model_with_full_batchnorm_inside_bf16_model():
   text = str(report)
   assert "hk.BatchNorm" in text and "bfloat16" in text
   assert report.to_dict()["totals"]["casts_inserted"] == report.casts_inserted
+
+
+def test_transform_amp_policy_casts_are_labelled_apart_from_code_casts():
+  import haiku as hk
+  mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=f32")
+
+  def forward(x):
+    return jnp.exp(hk.Linear(4)(x)).astype(jnp.bfloat16)
+
+  f = mpolicy.transform_amp(forward)
+  x = jnp.ones([2, 3])
+  params = f.init(jax.random.PRNGKey(0), x)
+  report = explain(f.apply, params, None, x)
+  casts = [(r.rule, r.decided_by) for r in report.rows
+           if r.primitive == "convert_element_type"]
+  assert casts == [
+      ("policy cast", "the module's policy casts its inputs"),
+      ("policy cast", "the module's policy casts its parameters"),
+      ("policy cast", "the module's policy casts its parameters"),
+      ("policy cast", "the module's policy casts its outputs"),
+      ("explicit cast", "convert_element_type in the traced code")]
+  assert (report.casts_by_policies, report.casts_in_code) == (4, 1)
+  assert report.summary().endswith(
+      "by module policies, 1 in the code")
+  assert ", 4 by module policies," in report.summary()

@@ -201,10 +201,10 @@ def _convert(op: Op) -> Optional[list]:
   """A cast: made through the environment's cache (at most once)."""
   if not _plain_convert(op.eqn):
     return None
-  if regions.POLICY_CAST in op.names:
+  what = regions.policy_cast_of(op.names)
+  if what is not None:
     op.rule = "policy cast"
-    op.why = ("made by the Haiku bridge for a module's policy (its "
-              "parameters, inputs or outputs)")
+    op.why = f"the module's policy casts its {what}"
   else:
     op.rule, op.why = "explicit cast", "convert_element_type in the traced code"
   return [op.env.cast(op.args[0], op.eqn.params["new_dtype"])]

@@ -26,9 +26,9 @@ from typing import Any, Optional
 import warnings
 
 import haiku as hk
-import jax.numpy as jnp
 
 from mpolicy._src import amp as amp_lib
+from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import haiku_registry
 from mpolicy._src import op_rules as op_rules_lib
@@ -171,24 +171,22 @@ def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
     with _entered(None):
       return next_f(*args, **kwargs)
   policy = region.policy
-  args, kwargs = policy.cast_to_compute((args, kwargs))
+  with regions.policy_casts("inputs"):
+    args, kwargs = policy.cast_to_compute((args, kwargs))
   with _entered(region), regions.tagged(region):
     out = next_f(*args, **kwargs)
   if region.inherited:
     # Part of the enclosing call: that call casts at its own boundary, so
     # inner layers do not cast to the output dtype and straight back.
     return out
-  return policy.cast_to_output(out)
-
-
-def _is_float(dtype) -> bool:
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  with regions.policy_casts("outputs"):
+    return policy.cast_to_output(out)
 
 
 def _creator(next_creator, shape, dtype, init, context):
   del context
   region = _innermost()
-  if region is None or not _is_float(dtype):
+  if region is None or not dtypes.is_float(dtype):
     return next_creator(shape, dtype, init)
   return next_creator(shape, region.policy.param_dtype, init)
 
@@ -197,7 +195,8 @@ def _getter(next_getter, value, context):
   del context
   region = _innermost()
   if region is not None:
-    value = region.policy.cast_to_compute(value)
+    with regions.policy_casts("parameters"):
+      value = region.policy.cast_to_compute(value)
   return next_getter(value)
 
 
@@ -205,7 +204,8 @@ def _setter(next_setter, value, context):
   del context
   region = _innermost()
   if region is not None:
-    value = region.policy.cast_to_param(value)
+    with regions.policy_casts("state"):
+      value = region.policy.cast_to_param(value)
   return next_setter(value)
 
 

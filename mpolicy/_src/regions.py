@@ -87,13 +87,32 @@ def plain_scope_names(names: tuple[str, ...]) -> tuple[str, ...]:
   return tuple(n for n in names if not n.startswith(MARKER_PREFIX))
 
 
-POLICY_CAST = MARKER_PREFIX + "cast"
-"""The scope the Haiku bridge traces its policy casts under, so `explain`
-tells them apart from casts written in the code."""
+POLICY_CAST = MARKER_PREFIX + "cast-"
+"""The prefix of the scopes the Haiku bridge traces its policy casts under
+(``mpolicy:cast-inputs``, ...), so `explain` tells them apart from casts
+written in the code."""
 
 
 @contextlib.contextmanager
-def policy_casts() -> Iterator[None]:
-  """Traces the body's casts as casts made for a module's policy."""
-  with jax.named_scope(POLICY_CAST):
+def policy_casts(what: str) -> Iterator[None]:
+  """Traces the body's casts as a module policy's casts of ``what``.
+
+  Args:
+    what: what is cast, e.g. ``"inputs"``, ``"parameters"``, ``"outputs"``.
+  """
+  with jax.named_scope(POLICY_CAST + what):
     yield
+
+
+def policy_cast_of(names: tuple[str, ...]) -> Optional[str]:
+  """What a policy cast traced under scope ``names`` casts, else ``None``.
+
+  >>> policy_cast_of(("encoder", POLICY_CAST + "inputs"))
+  'inputs'
+  >>> policy_cast_of(("encoder",)) is None
+  True
+  """
+  for name in reversed(names):
+    if name.startswith(POLICY_CAST):
+      return name[len(POLICY_CAST):]
+  return None
