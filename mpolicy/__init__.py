@@ -1,8 +1,14 @@
 """mpolicy: mixed precision for JAX and Haiku.
 
-Policies and loss scaling with jmp's API, one registry of policies by module
-class or name pattern, `transform_amp` for Haiku, and an op-level interpreter
-(`amp`) that runs each primitive in the dtype its rule gives it.
+Policies and loss scales (API-compatible with jmp), one registry of policies
+by module class or name pattern, `transform_amp` for Haiku, an op-level
+interpreter (`amp`) that runs each primitive in the dtype its rule gives it,
+and optax training helpers.
+
+>>> import jax.numpy as jnp, mpolicy
+>>> f = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=bf16,o=f32")
+>>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
+dtype('float32')
 """
 
 from mpolicy._src.policy import cast_to_full

@@ -277,7 +277,7 @@ def test_growth_never_reaches_inf_in_float32():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_scale_adjusts_in_its_dtype(dtype):
-  # jmp crashes here (jmp #47): select between f16 and f32 branches.
+  # jmp crashes here: its adjust selects between f16 and f32 branches.
   ls = DynamicLossScale(jnp.asarray(1024., dtype), period=2, min_loss_scale=2.)
   ls = _run(ls, [True, True])
   assert ls.loss_scale.dtype == dtype and float(ls.loss_scale) == 2048.

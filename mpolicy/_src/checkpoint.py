@@ -47,6 +47,16 @@ def tree_to_arrays(tree: PyTree) -> dict[str, np.ndarray]:
   patterns; the metadata entry names every leaf's real dtype. Fetches
   the leaves to the host.
 
+  Args:
+    tree: a pytree of arrays and numbers.
+
+  Returns:
+    A dict of numpy arrays, ready for `np.savez`.
+
+  Raises:
+    ValueError: two leaves share a key.
+    TypeError: a leaf is not an array or a number.
+
   >>> import jax.numpy as jnp
   >>> arrays = tree_to_arrays({"w": jnp.ones(2, jnp.bfloat16)})
   >>> arrays["['w']"].dtype, sorted(arrays)
@@ -89,14 +99,19 @@ def _restore_leaf(template: Any, array: np.ndarray) -> Any:
 def arrays_to_tree(arrays: Any, template: PyTree) -> PyTree:
   """Rebuilds a pytree shaped like `template` from `tree_to_arrays` entries.
 
-  `template` gives the structure, shapes and dtypes (its leaves may be
-  arrays, numbers or `jax.ShapeDtypeStruct`s, e.g. from `jax.eval_shape`).
-  Leaves come back as JAX arrays, except where the template has a numpy
-  array or a Python number, which come back as the same kind.
+  Args:
+    arrays: a mapping of entries, e.g. from `tree_to_arrays` or `np.load`.
+    template: gives the structure, shapes and dtypes; its leaves may be
+      arrays, numbers or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
+
+  Returns:
+    The pytree. Leaves come back as JAX arrays, except where the template
+    has a numpy array or a Python number, which come back as the same kind.
 
   Raises:
-    ValueError: a key is missing or extra, or a leaf's shape or dtype
-      differs from the template; the message lists every mismatch.
+    ValueError: the entries are not an mpolicy checkpoint, a key is missing
+      or extra, or a leaf's shape or dtype differs from the template; the
+      message lists every mismatch.
 
   >>> import jax.numpy as jnp
   >>> tree = {"w": jnp.full(2, 1.5, jnp.bfloat16)}
@@ -155,6 +170,10 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree) -> None:
   leaves a half-written checkpoint at `path`. See the module docstring for
   the format.
 
+  Args:
+    path: the file to write.
+    tree: a pytree of arrays and numbers.
+
   >>> import os, tempfile, jax.numpy as jnp, mpolicy
   >>> state = {"loss_scale": mpolicy.DynamicLossScale(2. ** 15),
   ...          "params": {"w": jnp.ones(2, jnp.bfloat16)}}
@@ -176,11 +195,18 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree) -> None:
 def restore_checkpoint(path: str | os.PathLike[str], template: PyTree) -> PyTree:
   """Loads a `save_checkpoint` file into the structure of `template`.
 
-  `template` is a pytree like the one saved (e.g. freshly initialized
-  state, or `jax.eval_shape` of its initializer); its structure, shapes and
-  dtypes are checked, and the static parts of custom pytrees (a
-  `DynamicLossScale`'s period and factor) come from it. Restoring and
-  continuing gives bit-for-bit the same steps as never stopping.
+  Restoring and continuing gives bit-for-bit the same steps as never
+  stopping.
+
+  Args:
+    path: the file `save_checkpoint` wrote.
+    template: a pytree like the one saved (e.g. freshly initialized state,
+      or `jax.eval_shape` of its initializer); its structure, shapes and
+      dtypes are checked, and the static parts of custom pytrees (a
+      `DynamicLossScale`'s period and factor) come from it.
+
+  Returns:
+    The restored pytree (see `arrays_to_tree` for the kinds of leaves).
 
   Raises:
     ValueError: if the file does not match the template (every mismatch is

@@ -1,11 +1,11 @@
 """The one place where mpolicy touches JAX internals.
 
-JAX's private modules (`jax._src`) and its semi-public `jax.extend` change
-every few releases: in 0.11 a scan's ``num_consts``/``num_carry`` params
-became the flat trees ``ft_in``/``ft_out``, and `ClosedJaxpr` became another
-name for `Jaxpr`. Every import of them lives here, and the rules read
-higher-order params only through the readers below, so a JAX upgrade means
-reading one file. Supported: JAX 0.10.2 to 0.12.
+Every import of JAX's private modules (`jax._src`) and of `jax.extend`
+lives here, and the rules read higher-order params only through the
+readers below, which accept each shape the supported JAX versions (0.10.2
+to 0.12) use: a scan's counts as ``num_consts``/``num_carry`` (0.10) or as
+the flat trees ``ft_in``/``ft_out`` (0.11 and later). Supporting another JAX
+version means changing this file only.
 
 Nothing in this module knows about policies: it only offers small,
 version-independent helpers over name stacks, jaxprs and primitives.
@@ -92,7 +92,7 @@ def eqn_context_under(base_stack, eqn) -> Iterator[None]:
 
 # --- Jaxpr types ------------------------------------------------------------
 
-# The class of every traced value (what `jax.core.Tracer` names today).
+# The class of every traced value (`jax.extend.core.Tracer` where it exists).
 Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
 
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -287,15 +287,18 @@ def scan_counts(params) -> tuple[int, int]:
   """``(n_consts, n_carry)`` of a `scan` equation's params.
 
   A scan's operands are its consts, then its carry, then its scanned inputs.
-  JAX 0.10 records the counts as ``num_consts`` and ``num_carry``; from 0.11
-  they are flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry,
-  ys), whose groups have a length.
+  Accepts the counts as ``num_consts`` and ``num_carry`` (JAX 0.10) or as
+  flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry, ys), whose
+  groups have a length (JAX 0.11 and later).
 
   Args:
     params: the params of a `scan` equation (a mapping).
 
   Returns:
     The number of leading const operands and of carry operands.
+
+  Raises:
+    KeyError: the params have neither form (an unsupported JAX).
 
   >>> scan_counts({"num_consts": 1, "num_carry": 2})
   (1, 2)
@@ -317,13 +320,17 @@ def while_counts(params) -> tuple[int, int]:
   """``(cond_nconsts, body_nconsts)`` of a `while` equation's params.
 
   The operands are the cond's consts, the body's consts, then the carry.
-  (Unchanged from JAX 0.10 to 0.12; read here so a change lands in one place.)
+  Read here, like every higher-order param, so version differences stay in
+  this module.
 
   Args:
     params: the params of a `while` equation (a mapping).
 
   Returns:
     The number of leading const operands of the cond and of the body.
+
+  Raises:
+    KeyError: the params lack the counts (an unsupported JAX).
 
   >>> while_counts({"cond_nconsts": 0, "body_nconsts": 3})
   (0, 3)

@@ -2,11 +2,16 @@
 
 Three immutable loss scales with one interface (`loss_scale`, `scale`,
 `unscale`, `adjust`), each a pytree, plus `all_finite` and `select_tree`.
-Compatible with jmp; fixes jmp's dropped `min_loss_scale`, its crash on
-half or integer scales, and its dtype-promoting `unscale`. Scaling runs in
-float32 or wider, so a scale that a float16 cannot hold still unscales
-float16 gradients; constructors reject values that would silently lose
-gradients (zero, negative, inf or nan scales, a floor above the scale).
+Scaling runs in float32 or wider and returns each leaf in its own dtype, so
+a scale that a float16 cannot hold still unscales float16 gradients;
+constructors reject values that would silently lose gradients (zero,
+negative, inf or nan scales, a floor above the scale).
+
+>>> import jax.numpy as jnp
+>>> ls = DynamicLossScale(jnp.float32(2. ** 15))
+>>> grads = ls.unscale(ls.scale({"w": jnp.ones(2, jnp.float16)}))
+>>> grads["w"].dtype, bool(all_finite(grads))
+(dtype('float16'), True)
 """
 
 from __future__ import annotations
@@ -168,7 +173,8 @@ def _check_factor(factor: Any) -> int | float:
 def _require_scalar_bool(pred: Any, name: str) -> jax.Array:
   pred = jnp.asarray(pred)
   if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    # AssertionError, as jmp raises it, but raised even under `python -O`.
+    # AssertionError is the documented error; raised explicitly, not with
+    # `assert`, so the check also runs under `python -O`.
     raise AssertionError(f"{name}: expected boolean scalar, got "
                          f"{pred.dtype} of shape {pred.shape}.")
   return pred
@@ -178,7 +184,8 @@ def _require_scalar_bool(pred: Any, name: str) -> jax.Array:
 class NoOpLossScale:
   """A loss scale that does nothing: `scale` and `unscale` return the tree.
 
-  An empty pytree.
+  For code that takes a loss scale but runs without one (float32 or
+  bfloat16 training). An empty pytree; `loss_scale` is 1.
 
   >>> NoOpLossScale().scale({"loss": 2.0})
   {'loss': 2.0}
@@ -228,16 +235,21 @@ class _StaticValue:
 class StaticLossScale:
   """Scales by a fixed `loss_scale` and unscales by its inverse.
 
-  An empty pytree, as in jmp: the scale is static metadata, so a jitted step
-  retraces when it changes. `scale` and `unscale` multiply/divide the
-  floating leaves (arrays, numpy scalars, Python floats) and return arrays
-  in each leaf's own dtype; integer and other leaves pass through unchanged.
-  The arithmetic runs in float32 (or wider), so a scale beyond the leaf
-  dtype's range (2 ** 17 for float16) still unscales float16 gradients
-  correctly; only a true overflow of the leaf's dtype gives inf.
+  An empty pytree: the scale is static metadata, so a jitted step retraces
+  when it changes. `scale` and `unscale` multiply/divide the floating leaves
+  (arrays, numpy scalars, Python floats) and return arrays in each leaf's
+  own dtype; integer and other leaves pass through unchanged. The
+  arithmetic runs in float32 (or wider), so a scale beyond the leaf dtype's
+  range (2 ** 17 for float16) still unscales float16 gradients correctly;
+  only a true overflow of the leaf's dtype gives inf.
 
-  `loss_scale` must be a positive, finite scalar (a Python number or a
-  scalar array); anything else raises `TypeError` or `ValueError` naming it.
+  Args:
+    loss_scale: a positive, finite scalar (a Python number or a scalar
+      array).
+
+  Raises:
+    TypeError, ValueError: `loss_scale` is not such a number; the message
+      names it.
 
   >>> import jax.numpy as jnp
   >>> StaticLossScale(128.).unscale({"g": jnp.full(2, 256., jnp.bfloat16)})["g"]
@@ -306,26 +318,33 @@ class DynamicLossScale:
   overflow the scale's dtype (then it stays); on a non-finite step it is
   divided by `factor` but never goes below `min_loss_scale` (and never
   rises: a scale already below the floor stays where it is), and the count
-  restarts. As in jmp, `counter` counts finite steps since the last change,
-  and the growth happens on the step where it would reach `period`.
+  restarts. `counter` counts finite steps since the last change, and the
+  growth happens on the step where it would reach `period`.
 
-  Pytree leaves are `loss_scale` and `counter` (as jmp's), always strongly
-  typed JAX arrays: Python numbers become float32 / int32, and `adjust` keeps
-  their dtypes, so a jitted step taking the loss scale compiles once.
-  `period`, `factor` and `min_loss_scale` are static metadata that survive
-  flattening (jmp loses `min_loss_scale` there). The scale may be any float
-  dtype (float16, bfloat16, ...) or an integer dtype (with a warning, as in
-  jmp). `scale` and `unscale` compute in float32 (or wider) and return
-  floating leaves in their own dtype, so a scale such as 2 ** 20 unscales
-  float16 gradients correctly; integer and other leaves pass through.
+  Pytree leaves are `loss_scale` and `counter`, always strongly typed JAX
+  arrays: Python numbers become float32 / int32, and `adjust` keeps their
+  dtypes, so a jitted step taking the loss scale compiles once. `period`,
+  `factor` and `min_loss_scale` are static metadata that survive
+  flattening. `scale` and `unscale` compute in float32 (or wider) and
+  return floating leaves in their own dtype, so a scale such as 2 ** 20
+  unscales float16 gradients correctly; integer and other leaves pass
+  through.
 
-  The constructor checks concrete values (tracers pass unchecked):
-  `loss_scale` and `min_loss_scale` positive and finite, with
-  `min_loss_scale <= loss_scale` (and `>= 1` for an integer scale);
-  `period` a positive int; `factor` a finite number > 1; `counter` a
-  non-negative int. `loss_scale` may be a stack of scalars (one per device
-  or model, with `counter` alike) to `vmap` or `pmap` over; `scale` and
-  `unscale` need a scalar one.
+  Args:
+    loss_scale: the initial scale: a positive, finite number of any float
+      dtype (float16, bfloat16, ...) or an integer dtype (with a warning:
+      backing off rounds down). A stack of scalars (one per device or model,
+      with `counter` alike) may be mapped over with `vmap` or `pmap`;
+      `scale` and `unscale` need a scalar one.
+    counter: finite steps since the last change, a non-negative int.
+    period: finite steps before the scale grows, a positive int.
+    factor: what the scale is multiplied and divided by, a finite number > 1.
+    min_loss_scale: the floor for backing off, positive, finite and at most
+      `loss_scale` (and >= 1 for an integer scale).
+
+  Raises:
+    TypeError, ValueError: a concrete argument breaks the rules above (traced
+      values pass unchecked); the message names it.
 
   >>> import jax.numpy as jnp
   >>> ls = DynamicLossScale(2. ** 15, period=2)
@@ -402,8 +421,15 @@ class DynamicLossScale:
   def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """The next loss scale, given whether this step's gradients were finite.
 
-    On a non-finite step the scale never goes up, whatever `min_loss_scale`
-    says.
+    Args:
+      grads_finite: a boolean scalar, e.g. from `all_finite(grads)`.
+
+    Returns:
+      A new `DynamicLossScale` with the same dtypes. On a non-finite step
+      the scale never goes up, whatever `min_loss_scale` says.
+
+    Raises:
+      AssertionError: `grads_finite` is not a boolean scalar.
 
     >>> import jax.numpy as jnp
     >>> ls = DynamicLossScale(jnp.float16(2. ** 15), period=1)
@@ -459,9 +485,14 @@ LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """A boolean scalar array: whether every leaf of `tree` is finite.
+  """Whether every leaf of `tree` is finite, as a boolean scalar array.
 
-  True for a tree without leaves. Integer and bool leaves are always finite.
+  Args:
+    tree: a pytree of arrays or numbers.
+
+  Returns:
+    A boolean scalar; True for a tree without leaves. Integer and bool
+    leaves are always finite.
 
   >>> import jax.numpy as jnp
   >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1., jnp.inf])}))
@@ -478,9 +509,16 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: Any, a: T, b: T) -> T:
   """`a` where `pred` is True, else `b`, leaf by leaf (`jax.lax.select`).
 
-  `pred` must be a boolean scalar (else AssertionError, as in jmp); `a` and
-  `b` must have the same structure, shapes and dtypes (else ValueError or
-  TypeError from JAX).
+  Args:
+    pred: a boolean scalar.
+    a, b: pytrees with the same structure, shapes and dtypes.
+
+  Returns:
+    `a` if `pred`, else `b`.
+
+  Raises:
+    AssertionError: `pred` is not a boolean scalar.
+    ValueError, TypeError: from JAX, if `a` and `b` do not match.
 
   >>> import jax.numpy as jnp
   >>> select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})

@@ -1,6 +1,6 @@
 """The op-rule table: which primitives run in half, which in float32.
 
-Like PyTorch autocast, mpolicy sorts operations into classes:
+The table sorts primitives into three classes:
 
 * ``lower``: worth running in the governing compute dtype (matmuls and
   convolutions, with float32 accumulation);
@@ -12,8 +12,8 @@ Like PyTorch autocast, mpolicy sorts operations into classes:
 Every primitive not in the table runs in the dtype of its inputs.
 
 The table is data: a primitive name maps to its class and a one-line reason
-that `explain` shows. `DEFAULT_RULES` translates autocast's published op
-lists to JAX primitives; `OpRules.with_ops` derives a new table, and
+that `explain` shows. `DEFAULT_RULES` follows PyTorch autocast's op lists,
+translated to JAX primitives; `OpRules.with_ops` derives a new table, and
 `OpRules.with_rule` hands one primitive to a function of the user's.
 Primitive names are checked against the primitives JAX (and mpolicy)
 define, so a typo is an error rather than a rule that never fires.
@@ -24,6 +24,9 @@ follow from the table: `jax.nn.softmax`, `log_softmax` and `logsumexp` are
 ``reduce_sum`` in ``full`` they run in float32. ``reduce_max`` is exact in
 half and stays in the input dtype. Layer and batch norms sum many values
 (``reduce_sum``) and take ``rsqrt``, so their statistics run in float32 too.
+
+>>> DEFAULT_RULES.class_of("exp"), DEFAULT_RULES.class_of("tanh")
+('full', None)
 """
 
 from __future__ import annotations
@@ -121,9 +124,11 @@ RuleFn = Callable[..., Any]
 def known_primitive_names() -> frozenset[str]:
   """Names a rule may refer to: JAX's primitives, mpolicy's and the table's.
 
-  JAX's are those defined by the JAX modules imported so far (`jax.lax`,
-  its linear algebra, collectives, control flow, random numbers, ...);
-  mpolicy's are its own (``amp_dot_general``, ...).
+  Returns:
+    A frozenset of primitive names. JAX's are those defined by the JAX
+    modules imported so far (`jax.lax`, its linear algebra, collectives,
+    control flow, random numbers, ...); mpolicy's are its own
+    (``amp_dot_general``, ...).
 
   >>> {"exp", "dot_general", "amp_dot_general"} <= known_primitive_names()
   True
@@ -135,7 +140,18 @@ def known_primitive_names() -> frozenset[str]:
 
 
 def rule_name(fn: RuleFn) -> str:
-  """How `explain` names a custom rule: its module-qualified name."""
+  """How `explain` names a custom rule: its module-qualified name.
+
+  Args:
+    fn: a rule function, possibly a `functools.partial`.
+
+  Returns:
+    ``"module.qualname"``, or ``"partial(module.qualname)"`` for a partial.
+
+  >>> import functools
+  >>> rule_name(functools.partial(rule_name))
+  'partial(mpolicy._src.op_rules.rule_name)'
+  """
   inner = fn.func if hasattr(fn, "func") and callable(fn.func) else fn
   name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
   if name is None:
@@ -204,6 +220,9 @@ def _hash_rule(item: tuple[str, RuleFn]) -> int:
 class OpRules:
   """An immutable table: primitive name -> op class and reason, or a rule.
 
+  Build one from `DEFAULT_RULES` with `with_ops`, `without_ops` and
+  `with_rule`, and pass it as ``rules=`` to `amp` or `transform_amp`.
+
   >>> rules = DEFAULT_RULES.with_ops(full=["dot_general"])
   >>> rules.class_of("dot_general"), DEFAULT_RULES.class_of("dot_general")
   ('full', 'lower')
@@ -228,8 +247,12 @@ class OpRules:
                        types.MappingProxyType(dict(self._rules)))
 
   def class_of(self, name: str) -> Optional[str]:
-    """``'lower'``, ``'full'``, ``'promote'``, or ``None`` (runs as its inputs,
-    or as its custom rule says: see `rule_of`)."""
+    """The class of primitive ``name``.
+
+    Returns:
+      ``'lower'``, ``'full'``, ``'promote'``, or ``None`` (runs as its
+      inputs, or as its custom rule says: see `rule_of`).
+    """
     entry = self._table.get(name)
     return entry[0] if entry else None
 
@@ -246,7 +269,11 @@ class OpRules:
     return self._rules.get(name)
 
   def names(self, op_class: str) -> frozenset[str]:
-    """All primitive names in ``op_class``."""
+    """All primitive names in ``op_class``.
+
+    Raises:
+      ValueError: ``op_class`` is not ``'lower'``, ``'full'`` or ``'promote'``.
+    """
     if op_class not in CLASSES:
       raise ValueError(f"op class must be one of {CLASSES}, got {op_class!r}")
     return frozenset(n for n, (c, _) in self._table.items() if c == op_class)
@@ -377,6 +404,13 @@ class OpRules:
 
     >>> DEFAULT_RULES.without_ops("exp").class_of("exp") is None
     True
+
+    Args:
+      *names: primitive names.
+      strict: as in `with_ops`.
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
 
     See also: `OpRules.with_ops`.
     """

@@ -1,12 +1,16 @@
 """Mixed precision policies: which dtype parameters, compute and outputs use.
 
-A `Policy` is three dtypes and three casts. `get_policy` parses jmp's policy
+A `Policy` is three dtypes and three casts. `get_policy` parses policy
 strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
 
 The compute dtype may also be float8 (`float8_e4m3fn`, written `f8`): then
 matmuls and convolutions run in float8 with per-tensor scales (see `fp8`),
 and everything else runs as under a bfloat16 compute dtype
 (`elementwise_dtype`).
+
+>>> policy = get_policy("p=f32,c=bf16,o=f32")
+>>> policy.cast_to_compute({"x": jnp.ones(2)})["x"].dtype
+dtype(bfloat16)
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ _DTYPE_NAMES: tuple[tuple[Any, tuple[str, ...]], ...] = (
 _NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES for name in names}
 _SHORT_NAME = {np.dtype(dt): names[0] for dt, names in _DTYPE_NAMES}
 
-# jmp keeps these two tables in its policy module and its tests read them;
-# here the first name of each dtype is the one `str(policy)` writes.
+# The grammar's tables, public under the names jmp's policy module uses, for
+# code that reads them; the first name of each dtype is the one `str` writes.
 dtype_to_names = dict(_DTYPE_NAMES)
 name_to_dtype = dict(_NAME_TO_DTYPE)
 
@@ -55,6 +59,12 @@ _FP8_ELEMENTWISE = np.dtype(jnp.bfloat16)
 def is_fp8(dtype: Any) -> bool:
   """Whether `dtype` is a float8 dtype (any of JAX's float8 variants).
 
+  Args:
+    dtype: anything `np.dtype` accepts; other values give False.
+
+  Returns:
+    True for float8 dtypes, else False.
+
   >>> import jax.numpy as jnp
   >>> is_fp8(jnp.float8_e4m3fn), is_fp8(jnp.bfloat16)
   (True, False)
@@ -71,9 +81,13 @@ def is_fp8(dtype: Any) -> bool:
 def elementwise_dtype(policy: Policy) -> np.dtype:
   """The dtype `policy` computes in outside matmuls and convolutions.
 
-  The compute dtype itself, except under a float8 policy, where it is
-  bfloat16: float8 is only for the scaled matmuls and convolutions, and a
-  float8 copy of an activation without its scale would lose it.
+  Args:
+    policy: a `Policy`.
+
+  Returns:
+    The compute dtype as an `np.dtype`, except under a float8 policy, where
+    it is bfloat16: float8 is only for the scaled matmuls and convolutions,
+    and a float8 copy of an activation without its scale would lose it.
 
   >>> str(elementwise_dtype(get_policy("p=f32,c=f8,o=bf16")))
   'bfloat16'
@@ -89,7 +103,12 @@ def elementwise_dtype(policy: Policy) -> np.dtype:
 def is_float_array(x: Any) -> bool:
   """Whether `x` is a numpy or JAX array (or tracer) with a floating dtype.
 
-  Python scalars, numpy scalars and non-floating arrays are not.
+  Args:
+    x: any value.
+
+  Returns:
+    True for floating arrays; False for Python scalars, numpy scalars,
+    non-floating arrays and everything else.
 
   >>> import numpy as np
   >>> is_float_array(np.ones(2)), is_float_array(np.ones(2, int)), is_float_array(1.)
@@ -104,8 +123,12 @@ def is_float_array(x: Any) -> bool:
 def dtype_name(dtype: Any) -> str:
   """The short policy-grammar name of a dtype ('f32', 'bf16', 'f16', 'f64').
 
-  Accepts numpy types, `np.dtype`s and jnp types alike. Dtypes the grammar
-  does not know are named by numpy (e.g. 'float8_e4m3fn').
+  Args:
+    dtype: a numpy type, an `np.dtype` or a jnp type.
+
+  Returns:
+    The grammar's short name ('f8' for `float8_e4m3fn`); numpy's name for
+    dtypes the grammar does not know.
 
   >>> import jax.numpy as jnp, numpy as np
   >>> dtype_name(jnp.bfloat16), dtype_name(np.dtype("float32"))
@@ -123,7 +146,7 @@ def _cast_floating(tree: T, dtype: Any) -> T:
 
   def cast(x):
     if is_float_array(x) and x.dtype != target:
-      return x.astype(target)  # numpy stays numpy, jax stays jax (as jmp).
+      return x.astype(target)  # numpy stays numpy, jax stays jax.
     return x
 
   return jax.tree_util.tree_map(cast, tree)
@@ -151,7 +174,7 @@ class Policy:
   """Dtypes for parameters, computation and outputs, with casts to each.
 
   The fields keep the dtype objects they were given (`jnp.bfloat16`,
-  `np.float16`, `np.dtype("float32")`, ...), as jmp does, so
+  `np.float16`, `np.dtype("float32")`, ...), so
   `policy.compute_dtype == jnp.bfloat16` reads naturally. Equality and hash
   compare the dtypes themselves: `Policy(np.float32, ...)` equals
   `Policy(jnp.float32, ...)`. A `jmp.Policy` is a different type and never
@@ -159,7 +182,18 @@ class Policy:
 
   The casts touch only floating-point array leaves (numpy or JAX arrays);
   ints, bools, integer arrays, Python scalars, None and other objects pass
-  through unchanged. A numpy leaf stays a numpy array, as in jmp.
+  through unchanged. A numpy leaf stays a numpy array.
+
+  Attributes:
+    param_dtype: the dtype parameters are created and stored in.
+    compute_dtype: the dtype computation runs in; float8 (`float8_e4m3fn`)
+      only here.
+    output_dtype: the dtype outputs are cast to.
+
+  Raises:
+    TypeError: a field is not a dtype.
+    ValueError: a field is not a floating dtype, or a float8 dtype other
+      than a `float8_e4m3fn` compute dtype.
 
   >>> import jax.numpy as jnp
   >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
@@ -253,10 +287,11 @@ class Policy:
 def half_dtype() -> Any:
   """The half precision dtype for the default backend.
 
-  bfloat16 on TPU, on CPU and on GPUs with bfloat16 support (NVIDIA compute
-  capability 8.0 or newer); float16 on older GPUs and unknown backends.
-  Unlike jmp, which returns float16 everywhere but TPU, CPUs and Ampere+ GPUs
-  get bfloat16: it has float32's range, so it needs no loss scaling.
+  Returns:
+    bfloat16 on TPU, on CPU and on GPUs with bfloat16 support (NVIDIA
+    compute capability 8.0 or newer); float16 on older GPUs and unknown
+    backends. bfloat16 is preferred where it is fast: it has float32's
+    range, so it needs no loss scaling.
 
   >>> import jax, jax.numpy as jnp
   >>> half_dtype() == jnp.bfloat16 or jax.default_backend() == "gpu"
@@ -278,7 +313,7 @@ def half_dtype() -> Any:
 
 
 def cast_to_full(tree: T) -> T:
-  """Casts the floating array leaves of `tree` to float32.
+  """Casts the floating array leaves of `tree` to float32; keeps the rest.
 
   >>> import jax.numpy as jnp
   >>> cast_to_full({"h": jnp.ones(2, jnp.bfloat16), "i": 1})["h"].dtype
@@ -290,7 +325,7 @@ def cast_to_full(tree: T) -> T:
 
 
 def cast_to_half(tree: T) -> T:
-  """Casts the floating array leaves of `tree` to `half_dtype()`.
+  """Casts the floating array leaves of `tree` to `half_dtype()`; keeps the rest.
 
   >>> import jax.numpy as jnp
   >>> cast_to_half(jnp.ones(2)).dtype == half_dtype()
@@ -330,21 +365,19 @@ def _from_jmp(spec: Any) -> Policy | None:
 
 
 def get_policy(spec: str | Policy | Any) -> Policy:
-  """Parses a policy string in jmp's grammar; passes policies through.
+  """Parses a policy string; passes policies through.
 
   The string is comma-separated `key=dtype` parts, keys `params|p`,
   `compute|c`, `output|o`, dtype names `full|f32|float32`, `half`
   (= `half_dtype()`), `bf16|bfloat16`, `f16|float16`, `f64|float64`; or a
-  single dtype name for all three. Unset parts default as in jmp: params
-  float32, compute follows params, output follows compute. Spaces around
-  parts, keys and names are ignored; names are case-sensitive.
+  single dtype name for all three. Unset parts default: params float32,
+  compute follows params, output follows compute. Spaces around parts, keys
+  and names are ignored; names are case-sensitive. A key given twice
+  (`"p=f16,params=f32"`) is an error.
 
   `f8|float8|e4m3|float8_e4m3fn` is a compute dtype only (`c=f8`): matmuls
   and convolutions then run in float8 with per-tensor scales, everything
   else in bfloat16, and an unset output is bfloat16. `str` writes it `f8`.
-
-  Unlike jmp, a key given twice (`"p=f16,params=f32"`) is an error rather
-  than silently taking the last value.
 
   >>> str(get_policy("c=bf16"))
   'p=f32,c=bf16,o=bf16'

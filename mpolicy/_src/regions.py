@@ -36,8 +36,8 @@ class Region:
       ``"class hk.BatchNorm"`` or ``"pattern 'encoder/*'"``.
     module_name: the Haiku module whose call this is, if any.
     module_class: that module's class name, if any.
-    inherited: ``True`` when the policy comes from an enclosing module call or
-      named scope (rule 3 of the registry's precedence) rather than from an entry of its own.
+    inherited: ``True`` when the policy comes from an enclosing module call
+      or named scope rather than from an entry of its own.
     full_precision: ``True`` inside `full_precision()`: the rules are off.
   """
   policy: Optional[policy_lib.Policy]
@@ -57,7 +57,18 @@ _region_of: dict[str, Region] = {}
 
 
 def marker_for(region: Region) -> str:
-  """The scope name that stands for ``region`` (interned)."""
+  """The scope name that stands for ``region`` (interned).
+
+  Args:
+    region: a `Region`.
+
+  Returns:
+    A marker such as ``"mpolicy:3"``; the same region always gets the same
+    marker.
+
+  >>> region_of_marker(marker_for(FULL_PRECISION)) == FULL_PRECISION
+  True
+  """
   with _lock:
     marker = _marker_of.get(region)
     if marker is None:
@@ -68,7 +79,14 @@ def marker_for(region: Region) -> str:
 
 
 def region_of_marker(name: str) -> Optional[Region]:
-  """The region a scope name stands for, or ``None`` for ordinary scopes."""
+  """The region a scope name stands for, or ``None`` for ordinary scopes.
+
+  Args:
+    name: a scope name from a name stack.
+
+  Returns:
+    The `Region` of a marker made by `marker_for`, else ``None``.
+  """
   if not name.startswith(MARKER_PREFIX):
     return None
   with _lock:
@@ -77,13 +95,17 @@ def region_of_marker(name: str) -> Optional[Region]:
 
 @contextlib.contextmanager
 def tagged(region: Region) -> Iterator[None]:
-  """Traces the body under the marker of ``region``."""
+  """A context manager: traces its body under the marker of ``region``."""
   with jax.named_scope(marker_for(region)):
     yield
 
 
 def plain_scope_names(names: tuple[str, ...]) -> tuple[str, ...]:
-  """The scope names with mpolicy's markers removed (what users named)."""
+  """The scope names with mpolicy's markers removed (what users named).
+
+  >>> plain_scope_names(("encoder", marker_for(FULL_PRECISION), "mlp"))
+  ('encoder', 'mlp')
+  """
   return tuple(n for n in names if not n.startswith(MARKER_PREFIX))
 
 

@@ -62,6 +62,12 @@ def path_str(path: Sequence[Any]) -> str:
   Haiku parameter `params["encoder/~/linear_1"]["w"]` reads
   `encoder/~/linear_1/w`, the same as Haiku's own module names.
 
+  Args:
+    path: a key path, as from `jax.tree_util.tree_flatten_with_path`.
+
+  Returns:
+    The joined string.
+
   >>> import jax
   >>> params = {"encoder/~/linear_1": {"w": 0, "b": 0}}
   >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -80,7 +86,13 @@ def nonfinite_flags(tree: PyTree) -> PyTree:
 
   Runs on device (no host sync) and works under `jit`, `pmap` and
   `shard_map`; turn it into names on the host with `nonfinite_paths`.
-  Integer and bool leaves are always finite.
+
+  Args:
+    tree: a pytree of arrays (e.g. gradients).
+
+  Returns:
+    A pytree of the same structure with a boolean scalar per leaf. Integer
+    and bool leaves are always finite.
 
   >>> import jax.numpy as jnp
   >>> flags = nonfinite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.inf])})
@@ -96,9 +108,14 @@ def nonfinite_paths(flags: PyTree) -> list[str]:
   """The '/'-joined paths of the leaves flagged True, on the host.
 
   This reads the flags back to the host (a device sync): call it only on
-  steps you want to report, e.g. when `grads_finite` is False. Accepts the
-  output of `nonfinite_flags` or any pytree of boolean arrays (a leaf counts
-  as flagged if any of its elements is True).
+  steps you want to report, e.g. when `grads_finite` is False.
+
+  Args:
+    flags: the output of `nonfinite_flags`, or any pytree of boolean arrays
+      (a leaf counts as flagged if any of its elements is True).
+
+  Returns:
+    A list of paths (see `path_str`), in pytree order.
 
   >>> import jax.numpy as jnp
   >>> grads = {"encoder/~/linear_1": {"w": jnp.array([jnp.nan]),
@@ -189,53 +206,39 @@ def scaled_value_and_grad(
   1. evaluates `fun(*args, **kwargs)` and differentiates
      `loss_scale.scale(loss)` with respect to `args[argnums]` (the loss
      scale is not counted in `argnums`);
-  2. unscales the gradients, each leaf back in its own dtype (the dtype of
-     the parameter it belongs to), or in `grad_dtype` if given;
-  3. with `axis_name` (inside `pmap` or `shard_map`): averages the gradients
-     over the devices in `reduce_dtype` (float32 by default, so a sum of
-     half-precision gradients cannot overflow; None reduces in each leaf's
-     own dtype) and averages the loss the same way;
-  4. `grads_finite = all_finite(grads)`, all-reduced with `lax.pmin` over
-     `axis_name`, so it is identical on every device;
-  5. `new_loss_scale = loss_scale.adjust(grads_finite)`, hence identical on
-     every device too.
-
-  `g` returns `(new_loss_scale, grads_finite, value, grads)`, where `value`
-  is the unscaled loss as `fun` computed it (or `(loss, aux)` with
-  `has_aux=True`, as `jax.value_and_grad`). With `attribute_overflow=True`
-  it returns a fifth element: `nonfinite_flags(grads)` (all-reduced over
-  `axis_name`), a pytree of boolean scalars for `nonfinite_paths`.
-
-  Under `shard_map` (JAX's default `check_vma=True`), AD already sums the
-  gradients of replicated (`P()`) params over the mesh axis: they arrive
-  identical on every device and the mean leaves them as they are, i.e. the
-  gradient of the *sum* of the per-device losses (divide the loss by
-  `lax.axis_size` for the mean). Under `pmap`, and for params marked
-  varying with `lax.pvary`, the per-device gradients are averaged here.
-  Either way the flag and the new loss scale are the same on every device.
+  2. unscales the gradients, each back in its parameter's dtype (or in
+     `grad_dtype`);
+  3. with `axis_name`: averages the gradients and the loss over the devices
+     in `reduce_dtype`;
+  4. computes `grads_finite = all_finite(grads)`, all-reduced over
+     `axis_name` so every device sees the same flag;
+  5. returns `loss_scale.adjust(grads_finite)` as the new loss scale, the
+     same on every device too.
 
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
-  Redo on overflow: with `max_retries=N > 0`, when the gradients are not
-  finite the scale backs off (`loss_scale.adjust(False)`) and the forward
-  and backward run again, inside the same traced call (a `lax.while_loop`
-  entered after the first attempt, whose body runs only while the
-  gradients are not finite), up to N times. The returned flag and grads are
-  those of the last attempt and the returned loss scale is that attempt's
-  scale adjusted by its flag: after a success on retry k the scale is
-  `factor ** k` lower and counts one finite step; if all N + 1 attempts
-  overflow, it is `factor ** (N + 1)` lower and the flag is False, so skip
-  the update as usual. `value` (with `aux`) is the first attempt's: the
-  forward does not depend on the scale. Retrying stops early once the
-  scale cannot go lower (`min_loss_scale`); a loss scale without array
-  leaves (`NoOpLossScale`, `StaticLossScale`) can never go lower, so for
-  those `max_retries` has no effect. Retries all-reduce their flags like
-  the first attempt, so every device loops the same number of times. The
-  price on a finite step: on GPU the host reads the loop's condition
-  back, a sync that is visible on fast steps, and the compiled program
-  holds the backward twice (longer compiles). Use it when overflows are
-  frequent enough that skipped steps cost more.
+  Under `shard_map` (with `check_vma=True`, JAX's default), AD already sums
+  the gradients of replicated (`P()`) params over the mesh axis, so they
+  are the gradient of the *sum* of the per-device losses (divide the loss by
+  `lax.axis_size` for the mean); under `pmap`, and for params marked varying
+  with `lax.pvary`, the per-device gradients are averaged here.
+
+  With `max_retries=N > 0`, a non-finite step is redone in the same call:
+  the scale backs off (`loss_scale.adjust(False)`) and the forward and
+  backward run again (a `lax.while_loop` whose body runs only while the
+  gradients are not finite), up to N times, stopping early once the scale
+  cannot go lower. The flag and grads returned are the last attempt's;
+  after a success on retry k the scale is `factor ** k` lower (and counts
+  one finite step), and if every attempt overflows it is
+  `factor ** (N + 1)` lower and the flag is False. `value` is the first
+  attempt's (the forward does not depend on the scale). Retries all-reduce
+  their flags, so every device loops the same number of times. A
+  `NoOpLossScale` or `StaticLossScale` cannot back off, so for them
+  `max_retries` has no effect. On a finite step the cost is, on GPU, a
+  read-back of the loop condition, and a program that holds the backward
+  twice (longer compiles): use it where overflows are frequent enough that
+  skipped steps cost more.
 
   Args:
     fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
@@ -245,19 +248,21 @@ def scaled_value_and_grad(
     axis_name: the mapped axis of `pmap` / `shard_map` to all-reduce the
       gradients, the loss and the finiteness flag over; None for one device
       (or plain `jit` over sharded arrays, where reductions are global).
-    reduce_dtype: dtype the cross-device mean is computed in; pass
+    reduce_dtype: dtype the cross-device mean is computed in (float32 by
+      default, so a sum of half gradients cannot overflow); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
     grad_dtype: dtype to return the floating gradients in; None keeps each
-      leaf's own dtype. float32 avoids losing tiny unscaled float16 grads to
-      underflow when params themselves are float16 (see `master_weights`).
-    attribute_overflow: also return per-leaf non-finite flags.
-    max_retries: on a non-finite step, back the scale off
-      (`loss_scale.adjust(False)`) and recompute the gradients in the same
-      call, up to this many times (see "Redo on overflow" above). 0 (the
-      default) computes once.
+      leaf's own dtype. float32 keeps tiny unscaled gradients of float16
+      params from underflowing (see `master_weights`).
+    attribute_overflow: also return `nonfinite_flags(grads)` (all-reduced
+      over `axis_name`) as a fifth element, for `nonfinite_paths`.
+    max_retries: how many times to back off and recompute a non-finite
+      gradient in the same call; 0 (the default) computes once.
 
   Returns:
-    A function `g(loss_scale, *args, **kwargs)` as described above.
+    `g(loss_scale, *args, **kwargs) -> (new_loss_scale, grads_finite, value,
+    grads)`, plus the flags with `attribute_overflow=True`. `value` is the
+    unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
     TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
@@ -312,7 +317,8 @@ def scaled_value_and_grad(
 
     unscaled = loss_scale.unscale(grads)
     # Loss scales following the contract return each leaf in its own dtype;
-    # cast anyway, so jmp's promoting `unscale` works here too.
+    # cast anyway, so a loss scale whose `unscale` promotes half leaves to
+    # float32 (such as jmp's) works here too.
     grads = jax.tree_util.tree_map(
         lambda u, g_: u.astype(g_.dtype if grad_dtype is None else grad_dtype)
         if _is_floating(g_) else u, unscaled, grads)
@@ -402,22 +408,15 @@ def skip_nonfinite(
   On a non-finite step the inner state is returned bit-for-bit as it was
   (its step count does not advance) and the updates are `-0.0`, so
   `optax.apply_updates(params, updates)` returns params bit-for-bit as they
-  were (adding `-0.0` is the exact identity, `+0.0` would flip `-0.0` to
-  `+0.0`). Only this wrapper's counters (`SkipNonFiniteState`) change.
-
-  This is the optax-composable way to skip; `update_if_finite` and
-  `make_train_step` are the select-based way for any optimizer.
+  were (adding `-0.0` is the exact identity; `+0.0` would turn `-0.0` into
+  `+0.0`). Only this wrapper's counters (`SkipNonFiniteState`) change. A
+  non-finite update is never applied, however many come in a row.
 
   Whether the step is finite is read from the `grads_finite` extra argument
   when given: pass the all-reduced flag from `scaled_value_and_grad`, so
   every device skips together. Without it, `all_finite(updates)` is used.
 
-  Compared with `optax.apply_if_finite(inner, max_consecutive_errors)`, which
-  has the same counters and also keeps the inner state: this never gives up
-  (`apply_if_finite` applies the non-finite update after
-  `max_consecutive_errors` skips, which poisons params with NaN), accepts
-  the external flag, and keeps `-0.0` params intact. For gradient
-  accumulation use optax's own `optax.MultiSteps(tx, k,
+  For gradient accumulation, use `optax.MultiSteps(tx, k,
   should_skip_update_fn=optax.skip_not_finite)`, which drops a non-finite
   mini-batch before it reaches the accumulator.
 
@@ -428,6 +427,9 @@ def skip_nonfinite(
   Returns:
     An `optax.GradientTransformationExtraArgs` with `SkipNonFiniteState`.
 
+  Raises:
+    ValueError: from `update`, if `grads_finite` is not a scalar.
+
   >>> import jax.numpy as jnp, optax
   >>> tx = skip_nonfinite(optax.sgd(0.1))
   >>> params = {"w": jnp.ones(2)}
@@ -436,8 +438,7 @@ def skip_nonfinite(
   >>> optax.apply_updates(params, updates)["w"].tolist(), int(state.total_notfinite)
   ([1.0, 1.0], 1)
 
-  See also: `update_if_finite`, `scaled_value_and_grad`,
-  `optax.apply_if_finite`.
+  See also: `update_if_finite`, `scaled_value_and_grad`.
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -494,12 +495,18 @@ def update_if_finite(
   Computes the update with any optax `optimizer`, applies it, then selects
   (`select_tree`) the new params and state if `grads_finite`, else the old
   ones: on a non-finite step params and every leaf of `opt_state` come back
-  bit-for-bit as they went in, whatever the optimizer. `grads_finite` is
-  also passed to the optimizer as an extra argument. Since the whole state
-  is kept, the counters of a `skip_nonfinite` inside `optimizer` are kept
-  too and so do not count skipped steps: use either this or
-  `skip_nonfinite`, not both (the loss scale's own counter resets either
-  way).
+  bit-for-bit as they went in, whatever the optimizer. Since the whole state
+  is kept, the counters of a `skip_nonfinite` inside `optimizer` do not
+  count skipped steps: use either this or `skip_nonfinite`, not both.
+
+  Args:
+    optimizer: any optax `GradientTransformation`.
+    grads: the gradients.
+    opt_state: the optimizer state.
+    params: the params the gradients belong to.
+    grads_finite: a boolean scalar, e.g. from `scaled_value_and_grad`; also
+      passed to `optimizer` as an extra argument.
+    **extra_args: passed on to `optimizer.update`.
 
   Returns:
     `(new_params, new_opt_state)`.
@@ -550,18 +557,25 @@ def keep_dtypes(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` so its state and updates keep their dtypes between steps.
 
+  Keeps a jitted step from compiling twice when optimizer state made from
+  half params (e.g. Adam's moments) meets float32 gradients and promotes:
+
   * State: each leaf of the state `inner.init` returns keeps that dtype (and
-    is strongly typed) after every update. Without this, Adam's moments made
-    from bfloat16 params turn float32 the first time they meet float32
-    gradients, and a jitted step compiles twice.
+    is strongly typed) after every update; so `keep_dtypes(inner).init(params)`
+    picks the state dtypes from `params`.
   * Updates: each floating leaf is cast to the dtype of its parameter (or,
     without `params`, of the incoming gradient), so `optax.apply_updates`
-    never promotes and `params + updates` keeps the params' dtype.
+    never promotes.
 
-  Pick the state dtype at init: `keep_dtypes(inner).init(params)` builds the
-  state from `params` as `inner.init` does. Wrap `master_weights` the other
-  way round (`master_weights(keep_dtypes(inner))`): its updates are float32
-  on purpose.
+  Wrap `master_weights` the other way round
+  (`master_weights(keep_dtypes(inner))`): its updates are float32 on
+  purpose.
+
+  Args:
+    inner: the optimizer to wrap.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `inner`'s state.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = keep_dtypes(optax.adam(1e-3))
@@ -612,32 +626,32 @@ def master_weights(
   """Keeps a float32 master copy of half-precision params in the optimizer.
 
   The params you compute with are half precision (e.g. bfloat16); the
-  state's `master` holds them in `master_dtype`. Each update casts the
-  gradients to `master_dtype`, runs `inner` on the master (so its moments
-  are float32 too), adds its updates to the master, and returns
-  `updates = new_master.astype(half) - params`, computed in `master_dtype`.
-  Thus `optax.apply_updates(params, updates)` gives `new_master` rounded to
-  the params' dtype, bit for bit (tested on random steps). The one
-  exception is a weight that shrinks by a factor over 2**14 in one step
-  without reaching zero, where float32 cannot hold the difference exactly;
-  the next step corrects it, since updates are always taken against the
-  params passed in. Use `params_from_master` for the rounded master
-  directly, with no exception. Leaves already in `master_dtype` get
-  `inner`'s updates unchanged.
+  state's `master` holds them in `master_dtype`, so updates too small to
+  change a half weight still move the master and reach the weight once they
+  add up. Each update casts the gradients to `master_dtype`, runs `inner`
+  on the master (so its moments are float32 too), adds its updates to the
+  master, and returns `updates = new_master.astype(half) - params`,
+  computed in `master_dtype`. `optax.apply_updates(params, updates)` then
+  gives the new master rounded to the params' dtype, bit for bit, except
+  for a weight that shrinks by a factor over 2**14 in one step without
+  reaching zero (float32 cannot hold that difference exactly); the next
+  step corrects it, and `params_from_master` is always exact. Leaves already
+  in `master_dtype` get `inner`'s updates unchanged.
 
-  Updates that are too small to change a half-precision weight still move
-  the master, and reach the weight once they add up.
+  Start from float32 params with `init_master_weights` (they become the
+  master), or from half params with `tx.init(params)`, which casts the
+  floating leaves to `master_dtype` (pass a float32 copy if you have one).
 
-  Three ways to start:
-    * from float32 params: `half, state = init_master_weights(tx, params,
-      jnp.bfloat16)`; the float32 params become the master.
-    * from existing half params and a float32 copy of them:
-      `state = tx.init(copy_f32)`, and keep computing with the half params.
-    * from half params only: `state = tx.init(half)` (exact upcast).
-  `init` casts the floating leaves of what it gets to `master_dtype`.
+  Args:
+    inner: the optimizer to run on the master; extra args are passed on.
+    master_dtype: the dtype of the master copy.
 
-  `update` needs `params` (their dtypes say what to round to). Extra args
-  are passed on to `inner`.
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `MasterWeightsState`.
+    Its `update` needs `params` (their dtypes say what to round to).
+
+  Raises:
+    ValueError: from `update`, if `params` is not given.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.sgd(1e-4))
@@ -691,9 +705,14 @@ def init_master_weights(
 ) -> tuple[PyTree, PyTree]:
   """Starts master-weight training from full-precision params.
 
-  Returns `(half_params, opt_state)`: the floating leaves of `params` cast
-  to `param_dtype`, and `optimizer.init(params)`, in which the given params
-  become the master copy.
+  Args:
+    optimizer: a transformation containing `master_weights`.
+    params: the full-precision params; they become the master copy.
+    param_dtype: the dtype to compute in, e.g. `jnp.bfloat16`.
+
+  Returns:
+    `(half_params, opt_state)`: the floating leaves of `params` cast to
+    `param_dtype`, and `optimizer.init(params)`.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.adam(1e-3))
@@ -709,10 +728,19 @@ def init_master_weights(
 def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
   """The master copy in `opt_state`, rounded to the dtypes of `params`.
 
-  Finds the (single) `MasterWeightsState` anywhere inside `opt_state`, also
-  when `master_weights` is wrapped in `skip_nonfinite` or `optax.chain`.
-  Always equals the master rounded to the params' dtypes, exactly; use it
-  after a restore, or instead of `optax.apply_updates`.
+  Exact, always: use it after a restore, or instead of
+  `optax.apply_updates`.
+
+  Args:
+    opt_state: a state holding exactly one `MasterWeightsState` anywhere
+      inside (also under `skip_nonfinite` or `optax.chain`).
+    params: params whose floating leaves give the dtypes to round to.
+
+  Returns:
+    The rounded master, shaped like `params`.
+
+  Raises:
+    ValueError: `opt_state` holds no `MasterWeightsState`, or several.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = skip_nonfinite(master_weights(optax.sgd(0.1)))
@@ -769,23 +797,30 @@ def make_train_step(
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
-  Returns `step(params, opt_state, loss_scale, *args, **kwargs)` computing
-  `scaled_value_and_grad(loss_fn, ...)` with respect to `params` (the first
-  argument of `loss_fn`), then `update_if_finite`: on a non-finite step
-  params and every leaf of `opt_state` are returned bit-for-bit unchanged
-  and the loss scale backs off. Any optax optimizer works; it needs no
-  `skip_nonfinite`. Jit it (or `pmap` / `shard_map` it with `axis_name`)
-  yourself.
+  The step computes `scaled_value_and_grad(loss_fn, ...)` with respect to
+  `params` (the first argument of `loss_fn`), then `update_if_finite`: on a
+  non-finite step params and every leaf of `opt_state` are returned
+  bit-for-bit unchanged and the loss scale backs off. Jit it (or `pmap` /
+  `shard_map` it with `axis_name`) yourself.
 
-  With `has_state=True` the model has state that is not trained by
-  gradients (BatchNorm's moving averages, e.g. from
-  `transform_amp_with_state`): `loss_fn(params, model_state, *args)` returns
-  `(loss, new_model_state)` (`((loss, aux), new_model_state)` with
-  `has_aux`), the step is `step(params, model_state, opt_state, loss_scale,
-  *args)`, and its result's `model_state` is the new state, or the old one
-  bit for bit on a non-finite step. The state is not differentiated, so it
-  may hold integers (counters). `max_retries` is passed to
-  `scaled_value_and_grad` (redo an overflowed gradient at a lower scale).
+  Args:
+    loss_fn: `loss_fn(params, *args)` returns the loss (`(loss, aux)` with
+      `has_aux`). With `has_state`, `loss_fn(params, model_state, *args)`
+      returns `(loss, new_model_state)` (`((loss, aux), new_model_state)`
+      with `has_aux`).
+    optimizer: any optax optimizer; it needs no `skip_nonfinite`.
+    has_aux: whether `loss_fn` returns auxiliary outputs.
+    has_state: whether the model has state not trained by gradients
+      (BatchNorm's moving averages, e.g. from `transform_amp_with_state`).
+      The state is not differentiated, so it may hold integers; on a
+      non-finite step it comes back bit for bit.
+    axis_name, reduce_dtype, grad_dtype, max_retries: passed to
+      `scaled_value_and_grad`.
+
+  Returns:
+    `step(params, opt_state, loss_scale, *args, **kwargs)`, or with
+    `has_state` `step(params, model_state, opt_state, loss_scale, *args,
+    **kwargs)`, returning a `TrainStepResult`.
 
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
