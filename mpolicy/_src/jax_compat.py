@@ -96,11 +96,7 @@ def eqn_context_under(base_stack, eqn) -> Iterator[None]:
 Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
 
 ClosedJaxpr = jex_core.ClosedJaxpr
-Jaxpr = jex_core.Jaxpr
-JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
-Var = jex_core.Var
-Primitive = jex_core.Primitive
 DropVar = jex_core.DropVar
 
 
@@ -459,27 +455,22 @@ __all__ = [
     "eqn_context_under",
     "eqn_scope_names",
     "gather_p",
-    "Jaxpr",
-    "JaxprEqn",
     "jaxprs_in_params",
     "jit_p",
     "linear_solve_p",
     "Literal",
     "new_primitive",
     "open_jaxpr_with_consts_first",
-    "Primitive",
     "primitive_names",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
     "scan_counts",
     "scan_p",
-    "scope_names",
     "shard_map_body_context",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
     "Tracer",
-    "Var",
     "while_counts",
     "while_p",
     "with_dtype",
