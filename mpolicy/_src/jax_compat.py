@@ -200,7 +200,7 @@ def primitive_names(packages=("jax",)) -> frozenset[str]:
       values = list(vars(module).values())
     except TypeError:
       continue
-    names.update(v.name for v in values if isinstance(v, Primitive))
+    names.update(v.name for v in values if isinstance(v, jex_core.Primitive))
   _primitive_names_cache.clear()
   _primitive_names_cache[key] = result = frozenset(names)
   return result
@@ -360,7 +360,7 @@ def custom_jvp_num_consts(params) -> int:
 
 # --- Defining a primitive ---------------------------------------------------
 
-def new_primitive(name: str) -> Primitive:
+def new_primitive(name: str) -> jex_core.Primitive:
   return jex_core.Primitive(name)
 
 
