@@ -115,6 +115,7 @@ def test_gpu_preset_rejects_bad_flags_by_name():
   assert "fp8" in proc.stderr  # The message lists the valid variants.
 
 
+@pytest.mark.slow
 def test_gpu_preset_smallest_scale_runs_every_variant(tmp_path):
   out = tmp_path / "gpu.json"
   proc = _run("bench_training.py", "--preset=gpu", "--models=mlp",

@@ -106,6 +106,7 @@ LESSON_TINY = ("--steps=3", "--batch_size=2", "--seq_len=8", "--d_model=8",
                "--num_heads=2", "--num_layers=1", "--log_every=0")
 
 
+@pytest.mark.slow
 def test_loss_scaling_lesson_reports_underflow_for_three_runs(tmp_path):
   png = tmp_path / "lesson.png"
   rc, out, err = run_example("loss_scaling_lesson", *LESSON_TINY,
@@ -216,6 +217,7 @@ def test_explain_column_is_the_library_summary():
 # --- Flax and Equinox ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_flax_example_runs_as_a_file(tmp_path):
   pytest.importorskip("flax")
   rc, out, err = run_example("flax_mlp", "--steps=3", "--batch_size=16",
@@ -244,6 +246,7 @@ def test_flax_example_step_multiplies_in_bfloat16_and_updates_stats():
   assert mean.dtype == jnp.float32 and float(jnp.abs(mean).max()) > 0
 
 
+@pytest.mark.slow
 def test_equinox_example_runs_as_a_file(tmp_path):
   pytest.importorskip("equinox")
   rc, out, err = run_example("equinox_mlp", "--steps=3", "--batch_size=16",

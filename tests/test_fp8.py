@@ -417,6 +417,7 @@ def _digits_accuracy(policy, steps=300):
   return float(np.mean(pred == yte))
 
 
+@pytest.mark.slow
 def test_digits_mlp_fp8_within_one_point_of_bf16():
   bf16 = _digits_accuracy("p=f32,c=bf16,o=bf16")
   f8 = _digits_accuracy(F8)

@@ -17,6 +17,7 @@ import re
 
 import haiku as hk
 import jax
+import pytest
 from jax.ad_checkpoint import print_saved_residuals
 import jax.numpy as jnp
 import jmp
@@ -119,6 +120,7 @@ def test_gpt_keeps_no_more_float32_residuals_than_jmp():
   assert ours["bf16"] > 4 * ours["f32"], ours
 
 
+@pytest.mark.slow
 def test_gpt_under_transform_amp_stays_close_to_float32():
   amp_loss, jmp_loss, f32_loss, params, tokens = _gpt_losses()
   want, gw = jax.value_and_grad(f32_loss)(params, tokens)

@@ -342,9 +342,10 @@ def test_same_dtypes_as_haiku_mixed_precision():
     set_policy(hk.nets.ResNet18, policy)
     set_policy(hk.BatchNorm, bn_policy)
     try:
-      f = transform(forward)
-      params, state = f.init(KEY, x, True)
-      out, new_state = f.apply(params, state, None, x, True)
+      f = transform(forward)  # Shapes and dtypes only: traced, not run.
+      params, state = jax.eval_shape(lambda k, x: f.init(k, x, True), KEY, x)
+      out, new_state = jax.eval_shape(
+          lambda p, s, x: f.apply(p, s, None, x, True), params, state, x)
       return _dtypes(params), _dtypes(state), out.dtype, _dtypes(new_state)
     finally:
       clear()
