@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 
 T = TypeVar("T")
@@ -35,8 +36,7 @@ def _is_floating_leaf(x: Any) -> bool:
     return False
   if isinstance(x, float):
     return True
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  return dtypes.is_float(getattr(x, "dtype", None))
 
 
 def _scale_dtype(loss_scale: Any) -> Any:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import dtypes
+
 T = TypeVar("T")
 
 # Dtype names of the policy grammar, the first of each row is the short name
@@ -116,8 +118,7 @@ def is_float_array(x: Any) -> bool:
 
   See also: `Policy.cast_to_compute`, which casts exactly these leaves.
   """
-  return (isinstance(x, (np.ndarray, jax.Array))
-          and jnp.issubdtype(x.dtype, jnp.floating))
+  return isinstance(x, (np.ndarray, jax.Array)) and dtypes.is_float(x.dtype)
 
 
 def dtype_name(dtype: Any) -> str:
