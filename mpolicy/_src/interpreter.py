@@ -18,8 +18,8 @@ remembers its half source so casting back is free.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+import dataclasses
 from typing import Any, Optional
 
 import jax
