@@ -58,10 +58,12 @@ def _abstract_eval(composite, lhs, rhs, **params):
 
 
 def _define(primitive, composite, accelerator_composite, lhs_transpose,
-            rhs_transpose, batch):
+            rhs_transpose, batch, cpu_composite=None):
   primitive.def_impl(composite)
   primitive.def_abstract_eval(functools.partial(_abstract_eval, composite))
   jax_compat.define_lowering(primitive, composite)
+  if cpu_composite is not None:
+    jax_compat.define_lowering(primitive, cpu_composite, platform="cpu")
   for platform in ACCELERATORS:
     jax_compat.define_lowering(primitive, accelerator_composite,
                                platform=platform)
@@ -107,7 +109,7 @@ def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
   return [*batch, *first, *second], True
 
 
-def _canonical_dot(lhs, rhs, dimension_numbers, precision):
+def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=False):
   """``dot_general`` as one (batched) matrix product, float32 accumulation.
 
   Batch, free and contracting dimensions are each merged into one by
@@ -127,6 +129,8 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
   n = math.prod(rhs.shape[d] for d in rf)
   free_sizes = ([lhs.shape[d] for d in lf] + [rhs.shape[d] for d in rf])
   lperm, lhs_free_first = _dot_order(lhs.ndim, lb, lf, lc)
+  if pin_lhs:
+    lperm, lhs_free_first = [*lb, *lf, *lc], True
   rperm, rhs_contract_first = _dot_order(rhs.ndim, rb, rc, rf)
   if lperm != list(range(lhs.ndim)):
     lhs = jax.lax.transpose(lhs, lperm)
@@ -134,6 +138,8 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
     rhs = jax.lax.transpose(rhs, rperm)
   lhs = lhs.reshape(merged_batch + ([m, k] if lhs_free_first else [k, m]))
   rhs = rhs.reshape(merged_batch + ([k, n] if rhs_contract_first else [n, k]))
+  if pin_lhs:
+    lhs = jax.lax.optimization_barrier(lhs)
   nb = len(merged_batch)
   dims = (((nb + (1 if lhs_free_first else 0),),
            (nb + (0 if rhs_contract_first else 1),)),
@@ -147,6 +153,13 @@ def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
                    compute_dtype):
   out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
                        dimension_numbers, precision)
+  return out.astype(out_dtype)
+
+
+def _dot_cpu(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+             compute_dtype):
+  out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
+                       dimension_numbers, precision, pin_lhs=True)
   return out.astype(out_dtype)
 
 
@@ -235,7 +248,7 @@ def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
 
 _define(amp_dot_general_p, _dot_composite, _dot_accelerator,
         functools.partial(_dot_transpose, "lhs"),
-        functools.partial(_dot_transpose, "rhs"), _dot_batch)
+        functools.partial(_dot_transpose, "rhs"), _dot_batch, _dot_cpu)
 
 
 # --- amp_conv_general_dilated -------------------------------------------------
