@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import widen
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
 amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
@@ -109,7 +110,7 @@ def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
   return [*batch, *first, *second], True
 
 
-def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=False):
+def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=True):
   """``dot_general`` as one (batched) matrix product, float32 accumulation.
 
   Batch, free and contracting dimensions are each merged into one by
@@ -413,12 +414,12 @@ def unary_in_float32(fn, x, store_dtype):
 
   @jax.custom_jvp
   def op(x):
-    return fn(x.astype(jnp.float32)).astype(store_dtype)
+    return fn(widen.widen(x, jnp.float32)).astype(store_dtype)
 
   @op.defjvp
   def op_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    wide = x.astype(jnp.float32)
+    wide = widen.widen(x, jnp.float32)
     y, slope = jax.jvp(fn, (wide,), (jnp.ones_like(wide),))
     return (y.astype(store_dtype),
             slope.astype(store_dtype) * t.astype(store_dtype))
@@ -439,7 +440,7 @@ def scale_in_float32(kind, x, s, store_dtype, x_first=True):
     raise ValueError(f"kind must be 'mul' or 'div', got {kind!r}")
 
   def wide(x, s):
-    x = x.astype(jnp.float32)
+    x = widen.widen(x, jnp.float32)
     if kind == "div":
       return jnp.divide(x, s)
     return jnp.multiply(x, s) if x_first else jnp.multiply(s, x)
