@@ -22,7 +22,11 @@ has no half-in, float32-out convolution: asked for one, XLA runs the whole
 convolution in float32). A dot whose result is wanted in float32 (the
 gradient of a float32 parameter) is a half x half -> float32 gemm, which
 cuBLAS runs natively. On CPU (and any other backend) the lowering asks for
-a float32 result and casts it.
+a float32 result and casts it. XLA:CPU runs a half x half -> float32 dot
+only when its left operand contracts its last dimension (any other form
+fails at run time: "Unsupported element type for DotThunk"), so the CPU
+lowering lays the left operand out that way behind an optimization barrier,
+which keeps XLA from folding a transpose back into the dot.
 """
 
 from __future__ import annotations
@@ -115,10 +119,10 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=True):
 
   Batch, free and contracting dimensions are each merged into one by
   reshapes (transposing only where a group is not already contiguous), so
-  XLA sees a plain ``[B, M, K] x [B, K, N]`` product. XLA:CPU cannot run
-  some bf16 x bf16 -> f32 dots with several contracting dimensions (the
-  weight gradient of a 3-D activation fails with "Unsupported element type
-  for DotThunk"), and this is the form its fast paths take anyway.
+  XLA sees a plain ``[B, M, K] x [B, K, N]`` product. With ``pin_lhs`` the
+  left operand is always ``[B, M, K]`` (contracting its last dimension) and
+  passes through an optimization barrier, so XLA cannot fold the transpose
+  into the dot: that is the only half x half -> float32 dot XLA:CPU runs.
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
