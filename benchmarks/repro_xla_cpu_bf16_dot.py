@@ -6,9 +6,11 @@
 # bf16 x bf16 -> f32 DotThunk that fails at run time with
 # "UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
 # (Pure JAX; mirrors the jaxpr jax.grad(transform_amp(hk.Linear)) on a 3-D
-# input had before mpolicy's amp_dot_general learned to lower every dot as
-# one batched [B,M,K] x [B,K,N] product, which XLA:CPU runs. Kept to show
-# the XLA limitation that lowering works around.)
+# input once had. XLA:CPU runs a bf16 x bf16 -> f32 dot only when the left
+# operand contracts its last dimension; a transpose that puts it in that form
+# is folded back into the dot by XLA unless an optimization barrier holds it,
+# which is what mpolicy's CPU lowering does: the "pinned lhs" workaround
+# below. Kept to show the XLA limitation that lowering works around.)
 import sys
 import jax, jax.numpy as jnp
 from jax import lax
@@ -43,11 +45,15 @@ def grads_w(w, x, mode):
   elif mode == "bf16 out":
     r = lax.dot_general(o, d, (((0, 1), (0, 1)), ((), ())),
                         preferred_element_type=bf16).astype(f32)
+  elif mode == "pinned lhs":
+    lhs = lax.optimization_barrier(o.reshape(-1, 128).T)
+    r = lax.dot_general(lhs, d.reshape(-1, 128), (((1,), (0,)), ((), ())),
+                        preferred_element_type=f32)
   elif mode == "reshape to 2-D first":
     r = lax.dot_general(o.reshape(-1, 128), d.reshape(-1, 128),
                         (((0,), (0,)), ((), ())), preferred_element_type=f32)
   return r.T
-for mode in ("f32 operands", "bf16 out", "reshape to 2-D first"):
+for mode in ("f32 operands", "bf16 out", "pinned lhs", "reshape to 2-D first"):
   try:
     jax.block_until_ready(jax.jit(grads_w, static_argnums=2)(w, x, mode))
     print(f"workaround {mode}: ok")

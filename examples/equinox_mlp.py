@@ -38,7 +38,7 @@ METRICS = ("test accuracy", "final loss")
 
 
 class MLP(eqx.Module):
-  """Linear -> GELU -> Linear on one flattened 8x8 image."""
+  """Linear -> ReLU -> Linear on one flattened 8x8 image."""
   hidden: eqx.nn.Linear
   out: eqx.nn.Linear
 
@@ -48,7 +48,7 @@ class MLP(eqx.Module):
     self.out = eqx.nn.Linear(hidden, 10, key=k2)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.out(jax.nn.gelu(self.hidden(x)))
+    return self.out(jax.nn.relu(self.hidden(x)))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

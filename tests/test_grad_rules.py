@@ -161,8 +161,9 @@ def test_amp_dot_general_matches_dot_general_and_its_gradients(
 def test_weight_gradient_of_a_3d_activation_runs_on_cpu():
   # XLA:CPU cannot execute some bf16 x bf16 -> f32 dots with two contracting
   # dimensions ("Unsupported element type for DotThunk::Execute"): the
-  # weight gradient of x[b, t, d] @ w[d, f] was one. amp_dot_general lowers
-  # every dot as one (batched) matrix product, which it can.
+  # weight gradient of x[b, t, d] @ w[d, f] was one. On CPU amp_dot_general
+  # lowers every dot as one (batched) matrix product whose left operand
+  # contracts its last dimension, the form XLA:CPU runs.
   x = jax.random.normal(jax.random.key(1), (4, 32, 128), F32)
   w = jax.random.normal(jax.random.key(2), (128, 64), F32) / 11
   loss = lambda w, x: jnp.mean(amp(lambda x, w: x @ w, HALF)(x, w) ** 2)

@@ -12,7 +12,6 @@ promote: ``x - mean(x)`` stays float32.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import mpolicy
 from mpolicy._src import recording
@@ -160,10 +159,6 @@ def test_the_half_mlp_stays_close_to_float32():
       assert rel < 5e-2, rel
 
 
-@pytest.mark.xfail(
-    jax.default_backend() == "cpu", strict=True, raises=jax.errors.JaxRuntimeError,
-    reason="known bug: XLA:CPU rejects one backward bf16 x bf16 -> f32 dot "
-    "here ('Unsupported element type for DotThunk'); open")
 def test_vmapped_per_example_layer_with_bias_and_relu_runs_under_grad():
   """Equinox style: a per-example layer (bias, then ReLU) under `vmap`."""
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import dataclasses
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,6 +32,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
+from mpolicy._src import widen
 
 
 # --- The environment ----------------------------------------------------------
@@ -88,7 +88,7 @@ class Env:
     hit = self._casts.get(key)
     if hit is not None:
       return hit
-    y = jax.lax.convert_element_type(x, dtype)
+    y = widen.widen(x, dtype)
     self._casts[key] = y
     self._keep += [x, y]
     self.inserted += 1

@@ -22,7 +22,11 @@ has no half-in, float32-out convolution: asked for one, XLA runs the whole
 convolution in float32). A dot whose result is wanted in float32 (the
 gradient of a float32 parameter) is a half x half -> float32 gemm, which
 cuBLAS runs natively. On CPU (and any other backend) the lowering asks for
-a float32 result and casts it.
+a float32 result and casts it. XLA:CPU runs a half x half -> float32 dot
+only when its left operand contracts its last dimension (any other form
+fails at run time: "Unsupported element type for DotThunk"), so the CPU
+lowering lays the left operand out that way behind an optimization barrier,
+which keeps XLA from folding a transpose back into the dot.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import widen
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
 amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
@@ -58,10 +63,12 @@ def _abstract_eval(composite, lhs, rhs, **params):
 
 
 def _define(primitive, composite, accelerator_composite, lhs_transpose,
-            rhs_transpose, batch):
+            rhs_transpose, batch, cpu_composite=None):
   primitive.def_impl(composite)
   primitive.def_abstract_eval(functools.partial(_abstract_eval, composite))
   jax_compat.define_lowering(primitive, composite)
+  if cpu_composite is not None:
+    jax_compat.define_lowering(primitive, cpu_composite, platform="cpu")
   for platform in ACCELERATORS:
     jax_compat.define_lowering(primitive, accelerator_composite,
                                platform=platform)
@@ -107,15 +114,15 @@ def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
   return [*batch, *first, *second], True
 
 
-def _canonical_dot(lhs, rhs, dimension_numbers, precision):
+def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=True):
   """``dot_general`` as one (batched) matrix product, float32 accumulation.
 
   Batch, free and contracting dimensions are each merged into one by
   reshapes (transposing only where a group is not already contiguous), so
-  XLA sees a plain ``[B, M, K] x [B, K, N]`` product. XLA:CPU cannot run
-  some bf16 x bf16 -> f32 dots with several contracting dimensions (the
-  weight gradient of a 3-D activation fails with "Unsupported element type
-  for DotThunk"), and this is the form its fast paths take anyway.
+  XLA sees a plain ``[B, M, K] x [B, K, N]`` product. With ``pin_lhs`` the
+  left operand is always ``[B, M, K]`` (contracting its last dimension) and
+  passes through an optimization barrier, so XLA cannot fold the transpose
+  into the dot: that is the only half x half -> float32 dot XLA:CPU runs.
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
@@ -127,6 +134,8 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
   n = math.prod(rhs.shape[d] for d in rf)
   free_sizes = ([lhs.shape[d] for d in lf] + [rhs.shape[d] for d in rf])
   lperm, lhs_free_first = _dot_order(lhs.ndim, lb, lf, lc)
+  if pin_lhs:
+    lperm, lhs_free_first = [*lb, *lf, *lc], True
   rperm, rhs_contract_first = _dot_order(rhs.ndim, rb, rc, rf)
   if lperm != list(range(lhs.ndim)):
     lhs = jax.lax.transpose(lhs, lperm)
@@ -134,6 +143,8 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
     rhs = jax.lax.transpose(rhs, rperm)
   lhs = lhs.reshape(merged_batch + ([m, k] if lhs_free_first else [k, m]))
   rhs = rhs.reshape(merged_batch + ([k, n] if rhs_contract_first else [n, k]))
+  if pin_lhs:
+    lhs = jax.lax.optimization_barrier(lhs)
   nb = len(merged_batch)
   dims = (((nb + (1 if lhs_free_first else 0),),
            (nb + (0 if rhs_contract_first else 1),)),
@@ -147,6 +158,13 @@ def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
                    compute_dtype):
   out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
                        dimension_numbers, precision)
+  return out.astype(out_dtype)
+
+
+def _dot_cpu(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+             compute_dtype):
+  out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
+                       dimension_numbers, precision, pin_lhs=True)
   return out.astype(out_dtype)
 
 
@@ -235,7 +253,7 @@ def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
 
 _define(amp_dot_general_p, _dot_composite, _dot_accelerator,
         functools.partial(_dot_transpose, "lhs"),
-        functools.partial(_dot_transpose, "rhs"), _dot_batch)
+        functools.partial(_dot_transpose, "rhs"), _dot_batch, _dot_cpu)
 
 
 # --- amp_conv_general_dilated -------------------------------------------------
@@ -400,12 +418,12 @@ def unary_in_float32(fn, x, store_dtype):
 
   @jax.custom_jvp
   def op(x):
-    return fn(x.astype(jnp.float32)).astype(store_dtype)
+    return fn(widen.widen(x, jnp.float32)).astype(store_dtype)
 
   @op.defjvp
   def op_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    wide = x.astype(jnp.float32)
+    wide = widen.widen(x, jnp.float32)
     y, slope = jax.jvp(fn, (wide,), (jnp.ones_like(wide),))
     return (y.astype(store_dtype),
             slope.astype(store_dtype) * t.astype(store_dtype))
@@ -426,7 +444,7 @@ def scale_in_float32(kind, x, s, store_dtype, x_first=True):
     raise ValueError(f"kind must be 'mul' or 'div', got {kind!r}")
 
   def wide(x, s):
-    x = x.astype(jnp.float32)
+    x = widen.widen(x, jnp.float32)
     if kind == "div":
       return jnp.divide(x, s)
     return jnp.multiply(x, s) if x_first else jnp.multiply(s, x)
