@@ -171,21 +171,40 @@ def _cast_as_traced(env, x, dtype):
   return env.cast(x, dtype) if dtypes.dtype_of(x) != dtype else x
 
 
-def _bind_natural(env, eqn, args) -> tuple[list, bool]:
-  """Binds on ``args`` as they are; if JAX refuses, at the traced dtypes.
+def _bind_natural(env, eqn, args) -> tuple[list, Optional[str]]:
+  """Binds on ``args`` as they are, or else at the traced dtypes.
 
-  Returns the outputs and whether ``args`` were accepted as they are.
+  An equation whose params hold a combiner (a scatter's update, a generic
+  reduce or reduce_window) runs at the traced dtypes: its combiner was
+  traced for them, and JAX accepts other operand dtypes that XLA then
+  rejects. So does an equation JAX refuses to re-type.
+
+  Returns the outputs, and ``None`` if ``args`` ran as they are, else why
+  they ran at the traced dtypes.
   """
   traced = [v.aval.dtype for v in eqn.invars]
   if all(dtypes.dtype_of(a) == t for a, t in zip(args, traced)):
-    return bind(eqn, args), True
+    return bind(eqn, args), None
+  as_traced = lambda: bind(eqn, [_cast_as_traced(env, a, t)
+                                 for a, t in zip(args, traced)])
+  if jax_compat.jaxprs_in_params(eqn.params):
+    return as_traced(), (
+        "its combiner was traced for "
+        f"{','.join(sorted({np.dtype(t).name for t in traced}))}: ran as traced")
   try:
-    return bind(eqn, args, _follow_inputs(eqn, args)), True
+    return bind(eqn, args, _follow_inputs(eqn, args)), None
   except Exception:  # pylint: disable=broad-except
-    # JAX refused the re-typed equation (e.g. a reduce whose combiner is
-    # typed): run it exactly as traced.
-    return bind(eqn, [_cast_as_traced(env, a, t)
-                      for a, t in zip(args, traced)]), False
+    return as_traced(), "JAX refused other dtypes: ran as traced"
+
+
+def _bind_op(op: Op) -> list:
+  """`_bind_natural` on ``op``'s arguments; notes a fallback in its row."""
+  outs, as_traced = _bind_natural(op.env, op.eqn, op.args)
+  if as_traced is not None:
+    op.why += f" ({as_traced})"
+    op.args = [_cast_as_traced(op.env, a, v.aval.dtype)
+               for a, v in zip(op.args, op.eqn.invars)]
+  return outs
 
 
 # --- Special primitives -----------------------------------------------------------
@@ -274,7 +293,7 @@ def _lower(op: Op) -> list:
                     for a in args]
   if (eqn.primitive not in _ACCUMULATING
       or not all(dtypes.float_value(a) for a in args)):
-    return _bind_natural(env, eqn, args)[0]
+    return _bind_op(op)
   out_dtype = compute
   pet = eqn.params.get("preferred_element_type")
   traced_in = eqn.invars[0].aval.dtype
@@ -343,7 +362,7 @@ def _full(op: Op) -> list:
     return [lowp.unary_in_float32(fn, args[i], store)]
   op.args = [env.cast(a, jnp.float32) if dtypes.is_half(dtypes.dtype_of(a))
              else a for a in args]
-  return _bind_natural(env, eqn, op.args)[0]
+  return _bind_op(op)
 
 
 CLASS_RULES[op_rules_lib.FULL] = _full
@@ -446,10 +465,7 @@ def _run_at(op: Op, target: Optional[np.dtype]) -> list:
     op.args = _widen_params(env, eqn, op.args, target)
     op.args = [env.cast(a, target) if dtypes.float_value(a) else a
                for a in op.args]
-  outs, natural = _bind_natural(env, eqn, op.args)
-  if not natural:
-    op.why += " (JAX refused other dtypes: ran as traced)"
-  return outs
+  return _bind_op(op)
 
 
 def _scaled_half(env, eqn, args, half):
