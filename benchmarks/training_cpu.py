@@ -501,8 +501,8 @@ def main(argv=None):
   def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
-  models = [m.strip() for m in args.models.split(",") if m.strip()]
-  for m in models:
+  model_names = [m.strip() for m in args.models.split(",") if m.strip()]
+  for m in model_names:
     if m not in MODELS:
       parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
   variants = []
@@ -522,7 +522,7 @@ def main(argv=None):
          f"(indicative only); smaller --quick shapes." if args.quick else
          f"compile medians over {args.compile_reps} fresh compile(s) after "
          f"one discarded warm-up compile per variant."), ""]
-  for m in models:
+  for m in model_names:
     spec = MODELS[m](args.quick, args.seed)
     log(f"== {spec.name}: {spec.description}")
     results = run_model(spec, variants, args, log)

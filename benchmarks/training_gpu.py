@@ -154,14 +154,14 @@ class GpuResult:
   final_loss_scale: Optional[float] = None
 
   def to_dict(self) -> dict[str, Any]:
-    med = med(self.step_s)
+    median = med(self.step_s)
     return {
         "variant": self.variant, "label": self.label, "status": self.status,
         "step_ms": [x * 1e3 for x in self.step_s],
-        "median_step_ms": med * 1e3 if self.step_s else None,
+        "median_step_ms": median * 1e3 if self.step_s else None,
         "compile_s": self.compile_s if np.isfinite(self.compile_s) else None,
         "temp_bytes": self.temp_bytes, "flops": self.flops,
-        "tflops_per_s": (self.flops / med / 1e12
+        "tflops_per_s": (self.flops / median / 1e12
                          if self.flops and self.step_s else None),
         "final_loss": (self.final_loss if np.isfinite(self.final_loss)
                        else None),
@@ -358,8 +358,8 @@ def main(argv) -> dict[str, Any]:
   if args.steps < 1 or args.warmup < 0:
     parser.error("--steps must be >= 1 and --warmup >= 0, got "
                  f"{args.steps} and {args.warmup}")
-  models = [m.strip() for m in args.models.split(",") if m.strip()]
-  for m in models:
+  model_names = [m.strip() for m in args.models.split(",") if m.strip()]
+  for m in model_names:
     if m not in GPU_MODELS:
       parser.error(f"--models: unknown model {m!r}; choose from "
                    f"{', '.join(GPU_MODELS)}")
@@ -398,7 +398,7 @@ def main(argv) -> dict[str, Any]:
   data = {"preset": "gpu", "header": header, "notes": notes,
           "args": {k: v for k, v in vars(args).items()}, "models": {}}
   sections = list(lines)
-  for name in models:
+  for name in model_names:
     try:
       model = GPU_MODELS[name](args.scale, args.seed)
     except Exception as e:  # pylint: disable=broad-except
