@@ -12,8 +12,10 @@ Times the training loop of a character-level transformer LM (d_model 512,
   f16_dyn_skip      f16, DynamicLossScale(2^15) + skip_nonfinite
   bf16              `p=f32,c=bf16,o=f32`, no loss scale, no skipping
 
-The training code is that of a user of mpolicy: `mpolicy.transform_amp` with
-the policy pushed on the model class and `full` on `hk.LayerNorm`; one
+The model is the examples' `CharTransformer` (`examples/transformer_lm.py`,
+imported through `models.py`). The training code is that of a user of
+mpolicy: `mpolicy.transform_amp` with the policy pushed on the model class
+and `full` on `hk.LayerNorm`; one
 `mpolicy.scaled_value_and_grad(..., has_aux=True)` call for the gradients
 (with `NoOpLossScale` where there is no scaling); `mpolicy.skip_nonfinite`
 around `optax.adam(3e-3)` when skipping, fed the `grads_finite` flag; a
@@ -58,7 +60,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import haiku as hk
 import jax
@@ -69,7 +71,10 @@ import optax
 import mpolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hlo_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import hlo_kernels
+from models import CharTransformer, ModelConfig  # The examples' model.
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 F32, F16, BF16 = "full", "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32"
 NORM_POLICY = "full"
@@ -104,74 +109,6 @@ RUNS = {r.key: r for r in [
     Run("f16_dyn_skip", F16, "Dynamic", DYNAMIC_START, True),
     Run("bf16", BF16, "NoOp", 1.0, False),
 ]}
-
-
-# --- Model ---------------------------------------------------------------------
-
-
-class SelfAttention(hk.Module):
-  """Causal multi-head self-attention."""
-
-  def __init__(self, num_heads: int, name: str = "attention"):
-    super().__init__(name=name)
-    self.num_heads = num_heads
-
-  def __call__(self, x):
-    batch, length, width = x.shape
-    head = width // self.num_heads
-
-    def heads(name):
-      return hk.Linear(width, name=name)(x).reshape(batch, length,
-                                                    self.num_heads, head)
-
-    q, k, v = heads("query"), heads("key"), heads("value")
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", weights, v)
-    return hk.Linear(width, name="output")(out.reshape(batch, length, width))
-
-
-class Block(hk.Module):
-  """Pre-LayerNorm block: attention, then a GELU MLP (4x)."""
-
-  def __init__(self, num_heads: int, name: Optional[str] = None):
-    super().__init__(name=name)
-    self.num_heads = num_heads
-
-  def __call__(self, x):
-    width = x.shape[-1]
-    ln = lambda n: hk.LayerNorm(-1, create_scale=True, create_offset=True,
-                                name=n)
-    x = x + SelfAttention(self.num_heads)(ln("ln_1")(x))
-    h = hk.Linear(4 * width, name="mlp_in")(ln("ln_2")(x))
-    return x + hk.Linear(width, name="mlp_out")(jax.nn.gelu(h))
-
-
-class CharTransformer(hk.Module):
-  """Embeddings, `num_layers` blocks (each under `hk.remat`), logits."""
-
-  def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len,
-               remat=True, name=None):
-    super().__init__(name=name)
-    self.vocab_size, self.d_model = vocab_size, d_model
-    self.num_heads, self.num_layers = num_heads, num_layers
-    self.max_len, self.remat = max_len, remat
-
-  def __call__(self, tokens):
-    init = hk.initializers.TruncatedNormal(0.02)
-    x = hk.Embed(self.vocab_size, self.d_model, w_init=init,
-                 name="embed")(tokens)
-    pos = hk.get_parameter("pos_embed", [self.max_len, self.d_model],
-                           init=init)
-    x = x + pos[:tokens.shape[1]].astype(x.dtype)
-    for i in range(self.num_layers):
-      block = Block(self.num_heads, name=f"block_{i}")
-      x = hk.remat(block)(x) if self.remat else block(x)
-    x = hk.LayerNorm(-1, create_scale=True, create_offset=True,
-                     name="ln_final")(x)
-    return hk.Linear(self.vocab_size, name="logits")(x)
 
 
 # --- Data ----------------------------------------------------------------------
@@ -232,10 +169,11 @@ def run_one(run: Run, config: Config, text: np.ndarray, args, log
     policies.enter_context(mpolicy.push_policy(CharTransformer, run.policy))
     policies.enter_context(mpolicy.push_policy(hk.LayerNorm, NORM_POLICY))
 
+    sizes = ModelConfig(config.seq_len, config.d_model, config.num_heads,
+                        config.num_layers, config.remat)
+
     def forward(tokens):
-      return CharTransformer(config.vocab, config.d_model, config.num_heads,
-                             config.num_layers, config.seq_len,
-                             remat=config.remat, name="transformer")(tokens)
+      return CharTransformer(config.vocab, sizes, name="transformer")(tokens)
 
     model = mpolicy.transform_amp(forward)
 

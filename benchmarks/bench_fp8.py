@@ -13,9 +13,9 @@ Rows:
   bf16 fwd+bwd  value and gradients of sum(a @ b), bfloat16.
   fp8 fwd+bwd   the same through mpolicy's float8 path (e5m2 cotangent).
 
-For each it prints the median time per call, TFLOP/s, and, from the optimized HLO,
-whether a float8 cuBLASLt gemm was chosen and how many fusions and
-reductions run. On CPU float8 is emulated: times there say nothing about a
+For each it prints the median time per call, TFLOP/s, and, from the optimized
+HLO (read by `hlo_kernels`), whether a float8 cuBLASLt gemm was chosen and
+how many cuBLAS calls, fusions and reductions run. On CPU float8 is emulated: times there say nothing about a
 GPU; use a small --n to check the script runs.
 
   python benchmarks/bench_fp8.py            # 8192, on the default device
@@ -25,8 +25,9 @@ GPU; use a small --n to check the script runs.
 from __future__ import annotations
 
 import argparse
-import re
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -34,6 +35,9 @@ import jax.numpy as jnp
 
 import mpolicy
 from mpolicy._src import fp8
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _time(fn, args, iters, warmup):
@@ -52,13 +56,13 @@ def _time(fn, args, iters, warmup):
 
 
 def _hlo_facts(fn, args) -> str:
-  text = fn.lower(*args).compile().as_text()
-  f8_gemm = bool(re.search(r"cublas\$lt\$matmul\$f8", text))
-  gemms = len(re.findall(r'custom_call_target="__cublas', text))
-  fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", text, re.M))
-  reduces = len(re.findall(r"\breduce\(", text))
+  stats = hlo_kernels.hlo_stats(fn.lower(*args).compile().as_text())
+  targets = stats.custom_call_targets
+  f8_gemm = any("cublas$lt$matmul$f8" in t for t in targets)
+  gemms = sum(n for t, n in targets.items() if t.startswith("__cublas"))
   return (f"f8 cublasLt gemm: {'yes' if f8_gemm else 'no'}, cublas calls: "
-          f"{gemms}, fusions: {fusions}, reduce ops: {reduces}")
+          f"{gemms}, fusions: {stats.fusions}, reduce ops: "
+          f"{stats.opcodes['reduce']}")
 
 
 def main(argv=None):

@@ -9,9 +9,12 @@ backend-neutral category:
                and `dot` / `convolution` instructions wherever they sit (on
                CPU and in Triton / cuDNN fusion bodies on GPU, labelled with
                the fusion kind that holds them);
-  converts     `convert` instructions (fusion bodies included), by dtype pair;
+  converts     `convert` instructions (fusion bodies included), by dtype pair
+               and by source (the `op_name` metadata JAX writes, shortened),
+               and how many sit in reducer bodies (`to_apply=`);
   fusions, while loops, conditionals, custom-calls, all instructions (and
-               every opcode's count).
+               every opcode's count), fusions that only cast or move data,
+               compute instructions by result dtype.
 
 Kernel keys read like `__cublas$gemm(bf16,bf16)->bf16` or
 `dot[__triton_gemm](bf16,bf16)->f32`: operand element types, then the result's
@@ -44,7 +47,20 @@ _CALLS = re.compile(r"calls=%?([\w.\-$]+)")
 _FUSION_KIND = re.compile(r'"kind"\s*:\s*"([^"]+)"')
 _OP_KIND = re.compile(r"kind=(k\w+)")
 _KERNEL_TARGET = re.compile(r"cublas|cudnn|gemm|matmul|conv", re.I)
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-$]+)")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_TRANSFORM = re.compile(
+    r"(?:jit|jvp|transpose|pjit|vmap|checkpoint|remat)\((.*)\)")
 _SCRATCH = ("s8", "u8")
+# Opcodes that compute nothing themselves (left out of `ops_by_dtype`).
+_NON_COMPUTE = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy",
+    "fusion", "call", "custom-call"})
+# A fusion whose body has a convert and only these opcodes just casts.
+_LAYOUT_ONLY = frozenset({
+    "parameter", "constant", "bitcast", "copy", "reshape", "transpose",
+    "broadcast", "tuple", "get-tuple-element", "slice", "convert"})
+NO_OP_NAME = "<no op_name: inserted by XLA>"
 
 
 @dataclasses.dataclass
@@ -56,7 +72,15 @@ class HloStats:
   conditionals: int = 0
   custom_calls: int = 0
   converts: int = 0
+  converts_in_reducers: int = 0
+  cast_only_fusions: int = 0
   convert_pairs: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  convert_sources: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  kernel_sources: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  ops_by_dtype: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
   kernels: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
@@ -80,6 +104,28 @@ class HloStats:
                        if isinstance(v, collections.Counter) else v)
     d["kernel_dtypes"] = dict(sorted(self.kernel_dtypes().items()))
     return d
+
+
+def short_source(op_name: str) -> str:
+  """The last three parts of an `op_name` or name stack, transforms unwrapped.
+
+  >>> short_source("jit(step)/jvp(model)/mlp/linear_0/dot_general")
+  'mlp/linear_0/dot_general'
+  """
+  keep = []
+  for part in (p for p in op_name.split("/") if p):
+    m = _TRANSFORM.fullmatch(part)
+    if m:
+      part = m.group(1)
+      if part in ("step", "model") or not keep and part.startswith("<"):
+        continue
+    keep.append(part)
+  return "/".join(keep[-3:]) if keep else NO_OP_NAME
+
+
+def _source(line: str) -> str:
+  m = _OPNAME.search(line)
+  return short_source(m.group(1)) if m else NO_OP_NAME
 
 
 def _result_dtype(type_str: str) -> str:
@@ -120,6 +166,7 @@ def hlo_stats(text: str) -> HloStats:
   """
   stats = HloStats()
   fusion_kind: dict[str, str] = {}  # fused computation name -> kind
+  fused: list[str] = []  # the computation each fusion instruction calls
   # First pass: which computation each fusion calls, and its kind.
   for line in text.splitlines():
     m = _INSTR.match(line)
@@ -128,12 +175,15 @@ def hlo_stats(text: str) -> HloStats:
       if call:
         kind = _FUSION_KIND.search(line) or _OP_KIND.search(line)
         fusion_kind[call.group(1)] = kind.group(1) if kind else "fusion"
+        fused.append(call.group(1))
   types: dict[str, str] = {}
   computation = ""
+  body_ops: dict[str, collections.Counter] = {}  # computation -> opcodes
   for line in text.splitlines():
     c = _COMPUTATION.match(line)
     if c:
       types, computation = {}, c["name"]
+      body_ops[computation] = collections.Counter()
       continue
     m = _INSTR.match(line)
     if not m:
@@ -142,6 +192,9 @@ def hlo_stats(text: str) -> HloStats:
     types[m["name"]] = result
     stats.instructions += 1
     stats.opcodes[op] += 1
+    body_ops.setdefault(computation, collections.Counter())[op] += 1
+    if op not in _NON_COMPUTE:
+      stats.ops_by_dtype[result] += 1
     if op == "fusion":
       stats.fusions += 1
     elif op == "while":
@@ -152,6 +205,7 @@ def hlo_stats(text: str) -> HloStats:
       stats.converts += 1
       ins = _operand_dtypes(m["args"], types)
       stats.convert_pairs[f"{ins[0] if ins else '?'}->{result}"] += 1
+      stats.convert_sources[_source(line)] += 1
     elif op == "custom-call":
       stats.custom_calls += 1
       target = _TARGET.search(line)
@@ -166,6 +220,14 @@ def hlo_stats(text: str) -> HloStats:
       where = fusion_kind.get(computation)
       label = f"{op}[{where}]" if where and where.startswith("__") else op
       stats.kernels[f"{label}({','.join(ins)})->{result}"] += 1
+      stats.kernel_sources[f"{','.join(ins)}->{result} {_source(line)}"] += 1
+  reducers = set(_TO_APPLY.findall(text))
+  stats.converts_in_reducers = sum(
+      ops["convert"] for name, ops in body_ops.items() if name in reducers)
+  for name in fused:
+    ops = body_ops.get(name, collections.Counter())
+    if ops["convert"] and set(ops) <= _LAYOUT_ONLY:
+      stats.cast_only_fusions += 1
   return stats
 
 

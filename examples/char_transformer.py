@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 import contextlib
-import math
 import os
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple
 
 from absl import app
 from absl import flags
@@ -42,6 +41,8 @@ import mpolicy
 # Sibling modules in examples/ (the script's directory is on sys.path).
 import mp_flags
 import mp_report
+# The model, shared with benchmarks/.
+from transformer_lm import CharTransformer, ModelConfig, make_forward
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them too.
@@ -119,85 +120,10 @@ def windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
 # --- Model ---------------------------------------------------------------------
 
 
-class ModelConfig(NamedTuple):
-  seq_len: int = 64
-  d_model: int = 64
-  num_heads: int = 4
-  num_layers: int = 2
-  remat: bool = True
-
-  @classmethod
-  def from_flags(cls) -> ModelConfig:
-    return cls(FLAGS.seq_len, FLAGS.d_model, FLAGS.num_heads,
-               FLAGS.num_layers, FLAGS.remat)
-
-
-class SelfAttention(hk.Module):
-  """Causal multi-head self-attention."""
-
-  def __init__(self, num_heads: int, name: str = "attention"):
-    super().__init__(name=name)
-    self.num_heads = num_heads
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    batch, length, width = x.shape
-    head = width // self.num_heads
-
-    def heads(name):  # [batch, length, heads, head]
-      return hk.Linear(width, name=name)(x).reshape(
-          batch, length, self.num_heads, head)
-
-    q, k, v = heads("query"), heads("key"), heads("value")
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", weights, v)
-    return hk.Linear(width, name="output")(out.reshape(batch, length, width))
-
-
-class Block(hk.Module):
-  """Pre-LayerNorm transformer block: attention, then a GELU MLP."""
-
-  def __init__(self, num_heads: int, name: Optional[str] = None):
-    super().__init__(name=name)
-    self.num_heads = num_heads
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    width = x.shape[-1]
-    ln = lambda n: hk.LayerNorm(-1, create_scale=True, create_offset=True,
-                                name=n)
-    x = x + SelfAttention(self.num_heads, name="attention")(ln("ln_1")(x))
-    h = hk.Linear(4 * width, name="mlp_in")(ln("ln_2")(x))
-    return x + hk.Linear(width, name="mlp_out")(jax.nn.gelu(h))
-
-
-class CharTransformer(hk.Module):
-  """Embeddings, `num_layers` blocks (each under `hk.remat`), logits."""
-
-  def __init__(self, vocab_size: int, config: ModelConfig,
-               name: Optional[str] = "transformer"):
-    super().__init__(name=name)
-    self.vocab_size = vocab_size
-    self.config = config
-
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    c = self.config
-    init = hk.initializers.TruncatedNormal(0.02)
-    x = hk.Embed(self.vocab_size, c.d_model, w_init=init, name="embed")(tokens)
-    pos = hk.get_parameter("pos_embed", [c.seq_len, c.d_model], init=init)
-    x = x + pos[:tokens.shape[1]].astype(x.dtype)
-    for i in range(c.num_layers):
-      block = Block(c.num_heads, name=f"block_{i}")
-      x = hk.remat(block)(x) if c.remat else block(x)
-    x = hk.LayerNorm(-1, create_scale=True, create_offset=True,
-                     name="ln_final")(x)
-    return hk.Linear(self.vocab_size, name="logits")(x)
-
-
-def make_forward(vocab_size: int, config: ModelConfig):
-  """The model as a function of tokens, for `hk.transform` or `transform_amp`."""
-  return lambda tokens: CharTransformer(vocab_size, config)(tokens)
+def model_config_from_flags() -> ModelConfig:
+  """The model's sizes from `--seq_len`, `--d_model`, ... and `--remat`."""
+  return ModelConfig(FLAGS.seq_len, FLAGS.d_model, FLAGS.num_heads,
+                     FLAGS.num_layers, FLAGS.remat)
 
 
 @contextlib.contextmanager
@@ -304,7 +230,7 @@ def load_corpus_from_flags(seq_len: int) -> Corpus:
 
 
 def main() -> None:
-  config = ModelConfig.from_flags()
+  config = model_config_from_flags()
   corpus = load_corpus_from_flags(config.seq_len)
   print(f"corpus: {len(corpus.train)} train / {len(corpus.test)} test "
         f"characters, vocabulary of {len(corpus.vocab)}; {FLAGS.steps} steps "

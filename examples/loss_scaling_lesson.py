@@ -140,7 +140,7 @@ def lesson_table(runs) -> str:
 
 
 def main() -> None:
-  config = char_transformer.ModelConfig.from_flags()
+  config = char_transformer.model_config_from_flags()
   corpus = char_transformer.load_corpus_from_flags(config.seq_len)
   print(f"Loss scaling lesson: char transformer d_model={config.d_model}, "
         f"{config.num_layers} layers, {FLAGS.steps} steps of "

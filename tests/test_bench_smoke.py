@@ -4,9 +4,11 @@ the char-transformer benchmark, and the HLO kernel counter they share."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import pytest
@@ -82,6 +84,85 @@ def test_hlo_stats_reads_gpu_library_calls_and_fusions():
   assert stats.custom_calls == 3 and stats.fusions == 1
   assert dict(stats.convert_pairs) == {"bf16->f32": 1}
   json.dumps(stats.to_dict())  # Plain data for --json.
+
+
+# An optimized XLA:CPU module: a cast-only fusion, a reduce whose reducer
+# body converts, a dot with JAX's op_name metadata and a convert without.
+CPU_HLO = """\
+%fused_cast (p0: f32[4,8]) -> bf16[8,4] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %t = f32[8,4]{1,0} transpose(%p0), dimensions={1,0}
+  ROOT %c = bf16[8,4]{1,0} convert(%t), metadata={op_name="jit(step)/jvp(model)/mlp/linear_0/convert_element_type"}
+}
+
+%add_bf16 (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  %a32 = f32[] convert(%a)
+  %b32 = f32[] convert(%b)
+  %s = f32[] add(%a32, %b32)
+  ROOT %r = bf16[] convert(%s)
+}
+
+ENTRY %main (x: f32[4,8], w: bf16[4,4]) -> bf16[] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = bf16[4,4]{1,0} parameter(1)
+  %f = bf16[8,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_cast
+  %d = bf16[8,4]{1,0} dot(%f, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(model))/mlp/linear_0/dot_general"}
+  %z = bf16[] constant(0)
+  ROOT %sum = bf16[] reduce(%d, %z), dimensions={0,1}, to_apply=%add_bf16
+}
+"""
+
+
+def test_hlo_stats_sources_reducers_and_cast_only_fusions():
+  hlo = _load("hlo_kernels")
+  stats = hlo.hlo_stats(CPU_HLO)
+  assert stats.cast_only_fusions == 1
+  assert stats.converts == 4 and stats.converts_in_reducers == 3
+  assert dict(stats.convert_pairs) == {"f32->bf16": 2, "bf16->f32": 2}
+  assert stats.convert_sources == {
+      "mlp/linear_0/convert_element_type": 1, hlo.NO_OP_NAME: 3}
+  assert dict(stats.kernels) == {"dot(bf16,bf16)->bf16": 1}
+  assert dict(stats.kernel_sources) == {
+      "bf16,bf16->bf16 mlp/linear_0/dot_general": 1}
+  # Compute ops by result dtype: two converts, the dot and the reduce.
+  assert stats.ops_by_dtype["bf16"] == 4 and stats.ops_by_dtype["f32"] == 4
+  assert hlo.short_source("jit(step)/jvp(model)/a/b/c/d") == "b/c/d"
+
+
+def test_benchmark_files_are_small_and_define_no_models_of_their_own():
+  files = sorted(f for f in os.listdir(BENCH) if f.endswith(".py"))
+  lines = {f: len(open(os.path.join(BENCH, f)).read().splitlines())
+           for f in files}
+  assert max(lines.values()) <= 600, lines
+  for name in files:
+    text = open(os.path.join(BENCH, name)).read()
+    if name != "models.py":
+      assert not re.search(r"^class \w+\(hk\.Module\)", text, re.M), name
+    if name != "hlo_kernels.py":  # The one HLO reader: no regexes elsewhere.
+      assert not re.search(r"^import re$", text, re.M), name
+  models = _load("models")
+  example = models.load_example("transformer_lm")
+  assert models.CharTransformer is example.CharTransformer
+  assert issubclass(models.GPT, example.CharTransformer)
+  bench = _load("bench_training")
+  # The GPU preset's GPT under its old name and arguments.
+  f = hk.transform(lambda t: bench.GpuGPT(64, 16, 2, 1, name="model")(t))
+  params = jax.eval_shape(f.init, jax.random.PRNGKey(0),
+                          jnp.zeros((2, 24), jnp.int32))
+  assert params["model"]["pos_embed"].shape == (24, 16)
+  assert params["model/logits"]["w"].shape == (16, 64)
+
+
+def test_benchmarks_import_their_models_from_any_directory(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  for script in ("bench_training.py", "bench_char_transformer.py"):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script),
+                           "--help"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
 
 
 def test_hlo_stats_on_a_compiled_cpu_module():
