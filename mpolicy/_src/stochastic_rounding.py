@@ -7,7 +7,10 @@ with the probability of each neighbour proportional to how close `x` is to
 it, so the expected result is `x` and small updates add up on average.
 
 Both roundings here are bit arithmetic on one uint32 of random bits per
-element, not sampling:
+element, not sampling. The bits are a hash of the element's index and two
+words drawn from the key (a counter-based generator, like threefry, but
+elementwise), so XLA fuses them into the rounding and holds no buffer of
+random bits: a bfloat16 write costs no temporary memory beyond its input.
 
 * bfloat16 shares float32's exponent: add 16 random bits below the bfloat16
   mantissa of the float32 bit pattern, then drop those 16 bits.
@@ -46,9 +49,26 @@ def _check(x: jax.Array, dtype: Any) -> np.dtype:
   return dtype
 
 
+def _mix(h: jax.Array) -> jax.Array:
+  """A 32-bit integer hash with full avalanche (xor-shift-multiply)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ (h >> 16)
+
+
+def _random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """uint32 random bits of `shape`: a hash of each index and of `key`."""
+  seeds = jax.random.bits(key, (2,), jnp.uint32)
+  index = lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64)))
+  index = index.reshape(shape)
+  return _mix(_mix(index * jnp.uint32(0x9E3779B9) + seeds[0]) ^ seeds[1])
+
+
 def _to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
   bits = lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+  noise = _random_bits(key, x.shape) & jnp.uint32(0xFFFF)
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
   out = lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
   # A NaN whose payload lies only in the dropped bits would become inf.
@@ -70,7 +90,7 @@ def _to_float16(x: jax.Array, key: jax.Array) -> jax.Array:
   low32 = low.astype(jnp.float32)
   fraction = (jnp.abs(x) - jnp.abs(low32)) / (
       jnp.abs(high.astype(jnp.float32)) - jnp.abs(low32))
-  draw = (jax.random.bits(key, x.shape, jnp.uint32) >> 8).astype(
+  draw = (_random_bits(key, x.shape) >> 8).astype(
       jnp.float32) * np.float32(2.0**-24)
   out = jnp.where(draw < fraction, high, low)
   # Beyond float16's range (and for inf and NaN), round to nearest.
