@@ -18,8 +18,9 @@ Adam's step is about the learning rate whatever the gradient, and a
 bfloat16 weight ignores any step below half its spacing (2**-9 of its
 magnitude): round-to-nearest cancels the small updates (Zamirai et al.,
 2020). The table counts the parameters whose value never changed in the
-whole run, next to each run's losses; the plot (`--plot`) shows that
-count step by step. Stochastic rounding makes each write unbiased, so the
+whole run, and the share that each step left unchanged (mean over the
+last 10 steps), next to each run's losses; the plot (`--plot`) shows both
+step by step. Stochastic rounding makes each write unbiased, so the
 small updates add up on average, without the float32 copy.
 """
 
@@ -43,6 +44,7 @@ flags.adopt_module_key_flags(mp_flags)  # --helpshort lists them,
 flags.adopt_module_key_flags(char_transformer)  # and the model's.
 
 NEVER_CHANGED = "params never changed (%)"
+STILL = "params the step left unchanged (%)"
 MODES = ("master", "nearest", "stochastic")
 
 
@@ -66,6 +68,12 @@ def never_changed_percent(changed) -> jax.Array:
   flags_ = jax.tree_util.tree_leaves(changed)
   total = sum(f.size for f in flags_)
   return 100 * sum((~f).sum() for f in flags_) / total
+
+
+def unchanged_percent(new, old) -> jax.Array:
+  """% of the parameters equal in `new` and `old`."""
+  return never_changed_percent(
+      jax.tree_util.tree_map(lambda a, b: a != b, new, old))
 
 
 def run(corpus: char_transformer.Corpus, config: char_transformer.ModelConfig,
@@ -92,7 +100,9 @@ def run(corpus: char_transformer.Corpus, config: char_transformer.ModelConfig,
       out = step(params, opt_state, mpolicy.NoOpLossScale(), batch)
       changed = jax.tree_util.tree_map(lambda c, new, old: c | (new != old),
                                        changed, out.params, params)
-      return out.params, out.opt_state, changed, out.value, out.grads_finite
+      still = unchanged_percent(out.params, params)
+      return (out.params, out.opt_state, changed, out.value,
+              out.grads_finite, still)
 
     starts = char_transformer.sample_starts(corpus.train, config.seq_len,
                                             steps, batch_size, seed)
@@ -111,14 +121,15 @@ def run(corpus: char_transformer.Corpus, config: char_transformer.ModelConfig,
                                      params)
     log = mp_report.Log(mode, steps, log_every)
     for i in range(steps):
-      params, opt_state, changed, loss, finite = train_step(
+      params, opt_state, changed, loss, finite, still = train_step(
           params, opt_state, changed, batch(i))
-      log.record(loss, 1.0, finite,
-                 **{NEVER_CHANGED: never_changed_percent(changed)})
+      log.record(loss, 1.0, finite, **{
+          NEVER_CHANGED: never_changed_percent(changed), STILL: still})
     metrics = char_transformer.evaluate(model.apply, params, corpus,
                                         config.seq_len)
   metrics["final loss"] = float(np.mean(log.loss[-10:]))
   metrics["never changed"] = log.extra[NEVER_CHANGED][-1]
+  metrics["unchanged by a step"] = float(np.mean(log.extra[STILL][-10:]))
   return mp_report.Run(mode, policy, "NoOp", metrics, log)
 
 
@@ -128,14 +139,15 @@ BYTES = {"f32": 12, "master": 14, "nearest": 6, "stochastic": 6}
 def lesson_table(runs, reference: str = "master") -> str:
   """The lesson's markdown table: never-changed params next to the losses."""
   ref = next((r for r in runs if r.name == reference), runs[0])
-  lines = ["| run | bytes/param | params never changed | final loss | "
-           f"vs {ref.name} | test loss | test accuracy |", "|---" * 7 + "|"]
+  lines = ["| run | bytes/param | params never changed | params a step left "
+           f"unchanged (last 10) | final loss | vs {ref.name} | test loss | "
+           "test accuracy |", "|---" * 8 + "|"]
   for r in runs:
     final = r.metrics["final loss"]
     diff = 100 * (final / ref.metrics["final loss"] - 1)
     lines.append(
         f"| {r.name} | {BYTES[r.name]} | {r.metrics['never changed']:.2f}% | "
-        f"{final:.4f} | {diff:+.2f}% | {r.metrics['test loss']:.4f} | "
+        f"{r.metrics['unchanged by a step']:.1f}% | {final:.4f} | {diff:+.2f}% | {r.metrics['test loss']:.4f} | "
         f"{100 * r.metrics['test accuracy']:.2f}% |")
   return "\n".join(lines)
 

@@ -36,6 +36,7 @@ def test_tiny_stochastic_run_keeps_bfloat16_and_counts_unchanged_params(
   assert len(series) == 3 and 0 < series[-1] < 100
   assert all(a >= b for a, b in zip(series, series[1:]))  # Never grows.
   assert np.isfinite(r.metrics["final loss"])
+  assert 0 <= r.metrics["unchanged by a step"] <= 100
   table = lesson.lesson_table([r])
   assert "| stochastic | 6 |" in table and "+0.00%" in table
 
@@ -44,6 +45,12 @@ def test_never_changed_percent_counts_false_flags(lesson):
   changed = {"a": jnp.array([True, False, False, False]),
              "b": jnp.array([[True, True], [True, False]])}
   assert float(lesson.never_changed_percent(changed)) == 50.0
+
+
+def test_unchanged_percent_compares_new_and_old(lesson):
+  old = {"w": jnp.arange(4.0)}
+  new = {"w": jnp.array([0.0, 1.0, 5.0, 5.0])}
+  assert float(lesson.unchanged_percent(new, old)) == 50.0
 
 
 def test_bad_mode_lists_the_modes(lesson):
@@ -63,3 +70,5 @@ def test_full_lesson_nearest_stalls_and_stochastic_matches_master(
   assert final["nearest"] > final["master"] * 1.01
   assert never["nearest"] > 2 * never["stochastic"]
   assert never["nearest"] > 2 * never["master"]
+  still = {m: r.metrics["unchanged by a step"] for m, r in runs.items()}
+  assert still["nearest"] > still["stochastic"] + 10
