@@ -63,6 +63,15 @@ from mpolicy._src.training import SkipNonFiniteState
 from mpolicy._src.training import TrainStepResult
 from mpolicy._src.training import update_if_finite
 
+from mpolicy._src.stochastic_rounding import stochastic_round
+
+from mpolicy._src.state_dtypes import StateDtypesState
+from mpolicy._src.state_dtypes import with_state_dtypes
+
+from mpolicy._src.half_params import apply_updates_stochastic
+from mpolicy._src.half_params import stochastic_params
+from mpolicy._src.half_params import StochasticParamsState
+
 from mpolicy._src.checkpoint import arrays_to_tree
 from mpolicy._src.checkpoint import restore_checkpoint
 from mpolicy._src.checkpoint import save_checkpoint
@@ -82,11 +91,14 @@ __all__ = (
     "PolicyExplanation",
     "Report",
     "SkipNonFiniteState",
+    "StateDtypesState",
     "StaticLossScale",
+    "StochasticParamsState",
     "TrainStepResult",
     "UnsupportedPrimitiveError",
     "all_finite",
     "amp",
+    "apply_updates_stochastic",
     "arrays_to_tree",
     "cast_to_full",
     "cast_to_half",
@@ -113,9 +125,12 @@ __all__ = (
     "select_tree",
     "set_policy",
     "skip_nonfinite",
+    "stochastic_params",
+    "stochastic_round",
     "transform_amp",
     "transform_amp_with_state",
     "tree_to_arrays",
     "update_if_finite",
+    "with_state_dtypes",
     "with_policies",
 )

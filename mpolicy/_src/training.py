@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import half_params
 from mpolicy._src import loss_scale as loss_scale_lib
 
 PyTree = Any
@@ -794,6 +795,7 @@ def make_train_step(
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
     max_retries: int = 0,
+    param_rounding: str = "nearest",
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -816,6 +818,10 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`.
+    param_rounding: `"nearest"`, or `"stochastic"` to write bfloat16 and
+      float16 params with stochastic rounding (no float32 copy): the step
+      runs `stochastic_params(optimizer)`, so make `opt_state` with
+      `stochastic_params(optimizer).init(params)`.
 
   Returns:
     `step(params, opt_state, loss_scale, *args, **kwargs)`, or with
@@ -833,6 +839,7 @@ def make_train_step(
 
   See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
   """
+  optimizer = half_params.for_param_rounding(optimizer, param_rounding)
   if not has_state:
     grad_fn = scaled_value_and_grad(
         loss_fn, has_aux=has_aux, axis_name=axis_name,
