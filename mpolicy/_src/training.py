@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 
 PyTree = Any
@@ -173,21 +174,6 @@ def _check_loss(loss: Any) -> None:
         "extra outputs, return `(loss, aux)` and pass has_aux=True.")
 
 
-def _all_reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
-  # pmin over an int: the flag is True on every device only if it is True on
-  # all of them. Integers reduce exactly and bools are not reducible everywhere.
-  return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-
-def _pmean(tree: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
-  def reduce(x):
-    if not _is_floating(x):
-      return x
-    work = x.dtype if reduce_dtype is None else reduce_dtype
-    return lax.pmean(x.astype(work), axis_name).astype(x.dtype)
-  return jax.tree_util.tree_map(reduce, tree)
-
-
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -324,11 +310,11 @@ def scaled_value_and_grad(
         if _is_floating(g_) else u, unscaled, grads)
 
     if axis_name is not None:
-      grads = _pmean(grads, axis_name, reduce_dtype)
-      loss = _pmean(loss, axis_name, reduce_dtype)
-    grads_finite = loss_scale_lib.all_finite(grads)
-    if axis_name is not None:
-      grads_finite = _all_reduce_finite(grads_finite, axis_name)
+      distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
+      grads = distributed.average_grads(grads, axis_name, reduce_dtype)
+      loss = distributed.average_value(loss, axis_name, reduce_dtype)
+    grads_finite = distributed.agree_finite(
+        loss_scale_lib.all_finite(grads), axis_name)
     return grads, grads_finite, loss, aux
 
   def retry(loss_scale, grads, grads_finite, args, kwargs):
@@ -367,7 +353,7 @@ def scaled_value_and_grad(
     flags = nonfinite_flags(grads)
     if axis_name is not None:
       flags = jax.tree_util.tree_map(
-          lambda f: ~_all_reduce_finite(~f, axis_name), flags)
+          lambda f: ~distributed.agree_finite(~f, axis_name), flags)
     return new_loss_scale, grads_finite, value, grads, flags
 
   return g
@@ -464,7 +450,9 @@ def skip_nonfinite(
     def skip_update(operands):
       u, s, _ = operands
       shapes, _ = jax.eval_shape(do_update, operands)
-      return jax.tree_util.tree_map(_identity_update, shapes), s
+      identity = jax.tree_util.tree_map(_identity_update, shapes)
+      return distributed.vary_like(
+          identity, lambda o: do_update(o)[0], operands), s
 
     new_updates, inner_state = lax.cond(
         grads_finite, do_update, skip_update,
@@ -794,6 +782,7 @@ def make_train_step(
     reduce_dtype: Any = jnp.float32,
     grad_dtype: Any = None,
     max_retries: int = 0,
+    average_state: bool = True,
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -815,7 +804,11 @@ def make_train_step(
       The state is not differentiated, so it may hold integers; on a
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
-      `scaled_value_and_grad`.
+      `scaled_value_and_grad`; `axis_name` names the data axes only.
+    average_state: with `has_state` and `axis_name`, average the floating
+      leaves of the new model state (BatchNorm's statistics) over the data
+      axes, in float32, so every device keeps the same state (and
+      `shard_map(out_specs=P())` accepts it). Integer leaves are kept.
 
   Returns:
     `step(params, opt_state, loss_scale, *args, **kwargs)`, or with
@@ -876,6 +869,9 @@ def make_train_step(
       value = (loss, aux)
     else:
       value, new_model_state = loss, extra
+    if axis_name is not None and average_state:
+      new_model_state = distributed.average_value(
+          new_model_state, axis_name, jnp.float32)
     new_params, new_opt_state = update_if_finite(
         optimizer, grads, opt_state, params, finite)
     new_model_state = loss_scale_lib.select_tree(
