@@ -13,7 +13,9 @@ batch is split over. The helpers keep three promises across devices:
   number of data-parallel devices, and nothing is reduced twice. With
   `check_vma=False` JAX does not sum a replicated parameter's gradient, and
   does not record which gradients it summed: every gradient is treated as
-  a replicated parameter's and `pmean`-ed over the data axes.
+  a replicated parameter's and `pmean`-ed over the data axes (so FSDP
+  needs `check_vma=True`), and a mesh with axes besides the data axes is
+  refused.
 * The finiteness flag is agreed over *every* axis bound where the step is
   traced (data and model axes alike), so all devices skip together and the
   loss scale stays the same everywhere.
@@ -100,7 +102,18 @@ def check_loss_axes(loss: Any, axis_name: Any, where: str) -> None:
   """
   axes = data_axes(axis_name)
   _check_bound(axes, where)
-  if not (_in_shard_map(axes) and jax_compat.check_vma_enabled()):
+  if not _in_shard_map(axes):
+    return
+  if not jax_compat.check_vma_enabled():
+    others = sorted(map(str, jax_compat.manual_axes() - set(axes)))
+    if others:
+      raise ValueError(
+          f"{where}: inside a shard_map with check_vma=False over mesh axes "
+          f"{others} besides the data axes {list(axes)}: without varying-axes "
+          "types JAX's AD sums the gradients of tensor-parallel collectives "
+          "once per device along those axes and does not record which "
+          "gradients it summed, so no averaging can be right. Use "
+          "check_vma=True (the default), or a mesh of the data axes only.")
     return
   vma = jax_compat.varying_axes(loss)
   if not vma:
