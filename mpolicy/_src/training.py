@@ -204,11 +204,13 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
-  Under `shard_map` (with `check_vma=True`, JAX's default), AD already sums
-  the gradients of replicated (`P()`) params over the mesh axis, so they
-  are the gradient of the *sum* of the per-device losses (divide the loss by
-  `lax.axis_size` for the mean); under `pmap`, and for params marked varying
-  with `lax.pvary`, the per-device gradients are averaged here.
+  `axis_name` names the data axes only. Under `pmap` the per-device
+  gradients are `pmean`-ed; inside `shard_map` (with `check_vma=True`) JAX
+  has already summed each gradient over the devices sharing its parameter
+  (replicated, FSDP-sharded or tensor-parallel), so the sum is divided by
+  the number of data-parallel devices: the result is the gradient of the
+  loss averaged over the data axes either way, never averaged across a
+  parameter's shards. The finiteness flag is agreed over every bound axis.
 
   With `max_retries=N > 0`, a non-finite step is redone in the same call:
   the scale backs off (`loss_scale.adjust(False)`) and the forward and
@@ -231,11 +233,15 @@ def scaled_value_and_grad(
     argnums: which positional arguments of `fun` to differentiate, as in
       `jax.value_and_grad`. Their leaves must all be floating point.
     has_aux: whether `fun` returns `(loss, aux)`.
-    axis_name: the mapped axis of `pmap` / `shard_map` to all-reduce the
-      gradients, the loss and the finiteness flag over; None for one device
-      (or plain `jit` over sharded arrays, where reductions are global).
-    reduce_dtype: dtype the cross-device mean is computed in (float32 by
-      default, so a sum of half gradients cannot overflow); pass
+    axis_name: the data axes of `pmap` / `shard_map` (those the batch is
+      split over) to average the gradients and the loss over; the flag is
+      agreed over every axis. None for one device, or for plain `jit` over
+      sharded arrays, where reductions are global. Naming a model axis
+      inside `shard_map` raises a `ValueError` saying what to pass.
+    reduce_dtype: dtype the helper's cross-device mean is computed in
+      (float32 by default, so a sum of half gradients cannot overflow;
+      inside `shard_map` JAX's own sum runs in the gradient's dtype and
+      only the division uses it); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
     grad_dtype: dtype to return the floating gradients in; None keeps each
       leaf's own dtype. float32 keeps tiny unscaled gradients of float16
