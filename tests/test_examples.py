@@ -312,3 +312,14 @@ def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
     assert result.log.skipped > 0
     assert result.log.scale[-1] < initial_scale
   assert result.metrics["test accuracy"] > 0.95
+
+
+@pytest.mark.parametrize("flag", ["", "--fsdp"])
+def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
+                                                                   flag):
+  rc, out, err = run_example("data_parallel", "--steps=3", "--batch_size=16",
+                             *([flag] if flag else []), cwd=tmp_path)
+  assert_ok(rc, out, err)
+  mode = "fsdp" if flag else "jit"
+  assert f"{mode} on 8 devices: final loss" in out, out
+  assert "one device:" in out and "max |param difference|" in out, out

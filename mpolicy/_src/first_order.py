@@ -281,6 +281,10 @@ def _lower(op: Op) -> list:
     return fp8.run_equation(eqn, [env.wider_source(a) for a in args],
                             op.policy.compute_dtype)
   compute = op.half_compute()
+  fp8_note = ""
+  if op.fp8_dtype is not None and eqn.params.get("out_sharding") is not None:
+    fp8_note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
+                "which the float8 matmul does not carry")
   floats = [dtypes.dtype_of(a) for a in args if dtypes.float_value(a)]
   if compute is None or not floats or any(map(dtypes.is_double, floats)):
     return _inputs(op, why=(
@@ -288,7 +292,7 @@ def _lower(op: Op) -> list:
         if compute is None else
         "lower op on float64: not eligible, runs as written"))
   op.rule = op_rules_lib.LOWER
-  op.why = f"lower ({op.reason}); policy from {op.decided_by}"
+  op.why = f"lower ({op.reason}){fp8_note}; policy from {op.decided_by}"
   op.args = args = [env.cast(a, compute) if dtypes.float_value(a) else a
                     for a in args]
   if (eqn.primitive not in _ACCUMULATING
@@ -311,7 +315,7 @@ def _lower(op: Op) -> list:
     return [lowp.amp_dot_general(
         lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
         precision=eqn.params.get("precision"), out_dtype=out_dtype,
-        compute_dtype=compute)]
+        compute_dtype=compute, out_sharding=eqn.params.get("out_sharding"))]
   if eqn.params.get("out_sharding") is None:
     params = {k: v for k, v in eqn.params.items()
               if k not in ("preferred_element_type", "out_sharding")}

@@ -123,12 +123,16 @@ def _scaled_mm_bwd(config: _MatmulConfig, residuals, g):
   gq, sg = quantize(g, BACKWARD_DTYPE)
   nb = 1 if config.batched else 0
   batch = ((0,), (0,)) if config.batched else ((), ())
+  # Each result takes its operand's layout, and under explicit sharding its
+  # sharding too (the weight gradient contracts a sharded batch).
   # d lhs [B,M,K] = g [B,M,N] . rhs [B,K,N] over N.
   da = lax.dot_general(gq, bq, (((nb + 1,), (nb + 1,)), batch),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32,
+                       out_sharding=lowp.explicit_sharding(aq))
   # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M.
   db = lax.dot_general(aq, gq, (((nb,), (nb,)), batch),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32,
+                       out_sharding=lowp.explicit_sharding(bq))
   return (_rescale(da, sg * sb, config.lhs_dtype),
           _rescale(db, sa * sg, config.rhs_dtype))
 

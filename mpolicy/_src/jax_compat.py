@@ -380,6 +380,47 @@ def define_lowering(primitive, composite, platform=None) -> None:
       platform=platform)
 
 
+# --- Devices: which mesh axes a value varies over ---------------------------
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (its vma); empty outside a
+  `shard_map` body or with ``check_vma=False``."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def check_vma_enabled() -> bool:
+  """Whether values are typed with the axes they vary over (`shard_map`'s
+  ``check_vma``), as set where this is traced."""
+  return bool(_config._check_vma.value)  # pylint: disable=protected-access
+
+
+def manual_axes() -> frozenset:
+  """The mesh axes a `shard_map` body being traced is manual over."""
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def bound_axis_names() -> frozenset:
+  """Every named axis bound where this is traced (`pmap`, `shard_map`)."""
+  env = _core.get_axis_env()
+  sizes = getattr(env, "axis_sizes", None)
+  return frozenset(sizes) if sizes is not None else frozenset()
+
+
+def make_varying(x, axes):
+  """``x`` marked as varying over ``axes`` too (a no-op where it does)."""
+  axes = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def out_varying_axes(fn, *args) -> list:
+  """The vma of each output leaf of ``fn(*args)``, traced, not run."""
+  closed = jax.make_jaxpr(fn)(*args)
+  return [frozenset(getattr(getattr(a, "mat", None), "varying", ()) or ())
+          for a in closed.out_avals]
+
+
 def define_batching(primitive, rule) -> None:
   _batching.primitive_batchers[primitive] = rule
 
@@ -432,6 +473,8 @@ __all__ = [
     "bind",
     "broadcast_in_dim_p",
     "bitcast_convert_type_p",
+    "bound_axis_names",
+    "check_vma_enabled",
     "closed_call_p",
     "ClosedJaxpr",
     "cond_p",
@@ -458,9 +501,12 @@ __all__ = [
     "jaxprs_in_params",
     "jit_p",
     "linear_solve_p",
+    "make_varying",
+    "manual_axes",
     "Literal",
     "new_primitive",
     "open_jaxpr_with_consts_first",
+    "out_varying_axes",
     "primitive_names",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
@@ -470,6 +516,7 @@ __all__ = [
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
+    "varying_axes",
     "Tracer",
     "while_counts",
     "while_p",

@@ -88,20 +88,24 @@ def _cast(x, dtype):
 # --- amp_dot_general ----------------------------------------------------------
 
 def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
-                    out_dtype: Any, compute_dtype: Any = None):
+                    out_dtype: Any, compute_dtype: Any = None,
+                    out_sharding: Any = None):
   """``dot_general`` in ``compute_dtype``, float32 accumulation, cast.
 
   The operands are cast to ``compute_dtype`` (default: ``lhs``'s dtype)
   inside the primitive. So a float32 parameter can be passed as it is: the
   forward pass multiplies its half copy, and its gradient comes straight
   from the float32 accumulator instead of being rounded to half and back.
+  ``out_sharding`` is `dot_general`'s (explicit sharding); the param is
+  bound only when given.
   """
   compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
                            else compute_dtype)
+  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
   return amp_dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
                                 precision=precision,
                                 out_dtype=np.dtype(out_dtype),
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, **extra)
 
 
 def _dot_order(ndim, batch, first, second) -> tuple[list[int], bool]:
@@ -155,9 +159,19 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=True):
 
 
 def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype):
-  out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
-                       dimension_numbers, precision)
+                   compute_dtype, out_sharding=None):
+  lhs, rhs = _cast(lhs, compute_dtype), _cast(rhs, compute_dtype)
+  if out_sharding is None:
+    out = _canonical_dot(lhs, rhs, dimension_numbers, precision)
+  else:
+    # With an output sharding the operands keep their layout (merging a
+    # sharded dimension is not always expressible); they are widened
+    # instead, which gives the same products (a product of two half values
+    # is exact in float32) and float32 accumulation on every backend.
+    out = jax.lax.dot_general(
+        _cast(lhs, jnp.float32), _cast(rhs, jnp.float32), dimension_numbers,
+        precision=precision, preferred_element_type=jnp.float32,
+        out_sharding=out_sharding)
   return out.astype(out_dtype)
 
 
@@ -169,13 +183,14 @@ def _dot_cpu(lhs, rhs, *, dimension_numbers, precision, out_dtype,
 
 
 def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                     compute_dtype):
+                     compute_dtype, out_sharding=None):
   """GPU/TPU: the half dot asked for ``out_dtype`` directly (the hardware
   accumulates in float32; a float32 ``out_dtype`` is a native half x half ->
   float32 gemm)."""
   return jax.lax.dot_general(
       _cast(lhs, compute_dtype), _cast(rhs, compute_dtype), dimension_numbers,
-      precision=precision, preferred_element_type=out_dtype)
+      precision=precision, preferred_element_type=out_dtype,
+      out_sharding=out_sharding)
 
 
 def _free_dims(ndim, contracting, batch) -> list[int]:
@@ -188,8 +203,31 @@ def _ndim(x) -> int:
   return len(aval.shape) if aval is not None else np.ndim(x)
 
 
+def _explicit_sharding(aval, dims_order):
+  """The sharding of a dot whose output holds ``aval``'s dims in
+  ``dims_order``, where ``aval`` lives on a mesh with explicit axes; None
+  otherwise (then JAX needs none)."""
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  parts = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+  return sharding.update(spec=jax.sharding.PartitionSpec(
+      *(parts[d] for d in dims_order)))
+
+
+def explicit_sharding(x):
+  """The sharding a dot producing an array laid out like ``x`` must name:
+  ``x``'s own on a mesh with explicit axes, else None."""
+  aval = jax.typeof(x)
+  return _explicit_sharding(aval, range(len(aval.shape)))
+
+
 def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype):
+                   compute_dtype, out_sharding=None):
   """The cotangent of one operand: another amp dot (half x half, float32
   accumulation), so backward matmuls keep the rules at every order.
 
@@ -198,7 +236,7 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
   it takes one whose result is already in the operand's layout (the weight
   gradient of ``x @ w`` is ``dot(x, ct)``), so no transpose is needed.
   """
-  del out_dtype
+  del out_dtype, out_sharding
   operand, other = _operands(side, x, y)
   (lc, rc), (lb, rb) = dimension_numbers
   lf = _free_dims(_ndim(x), lc, lb)
@@ -227,21 +265,28 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
   ndim = _ndim(operand)
   identity = tuple(range(ndim))
   ct = _cast(ct, compute_dtype)
+  # Under explicit sharding the result takes the operand's sharding (the
+  # weight gradient contracts the sharded batch: JAX cannot guess it).
+  order = sorted(range(ndim), key=lambda d: other_first[d])
   if tuple(other_first[d] for d in range(ndim)) == identity:
     dims = ((tuple(other_f), ct_other), (tuple(other_b), batch))
     return amp_dot_general(other, ct, dimension_numbers=dims,
                            precision=precision, out_dtype=operand.aval.dtype,
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype,
+                           out_sharding=_explicit_sharding(operand.aval, order))
   dims = ((ct_other, tuple(other_f)), (batch, tuple(other_b)))
+  order = sorted(range(ndim), key=lambda d: ct_first[d])
   out = amp_dot_general(ct, other, dimension_numbers=dims, precision=precision,
                         out_dtype=operand.aval.dtype,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype,
+                        out_sharding=_explicit_sharding(operand.aval, order))
   perm = tuple(ct_first[d] for d in range(ndim))
   return out if perm == identity else jax.lax.transpose(out, perm)
 
 
 def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
-               out_dtype, compute_dtype):
+               out_dtype, compute_dtype, out_sharding=None):
+  del out_sharding  # vmap of an explicitly sharded dot: JAX's own rule.
   lhs, rhs = batched_args
   new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
       (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import distributed
 from mpolicy._src import half_params
 from mpolicy._src import loss_scale as loss_scale_lib
 
@@ -174,21 +175,6 @@ def _check_loss(loss: Any) -> None:
         "extra outputs, return `(loss, aux)` and pass has_aux=True.")
 
 
-def _all_reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
-  # pmin over an int: the flag is True on every device only if it is True on
-  # all of them. Integers reduce exactly and bools are not reducible everywhere.
-  return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-
-def _pmean(tree: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
-  def reduce(x):
-    if not _is_floating(x):
-      return x
-    work = x.dtype if reduce_dtype is None else reduce_dtype
-    return lax.pmean(x.astype(work), axis_name).astype(x.dtype)
-  return jax.tree_util.tree_map(reduce, tree)
-
-
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -219,11 +205,13 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
-  Under `shard_map` (with `check_vma=True`, JAX's default), AD already sums
-  the gradients of replicated (`P()`) params over the mesh axis, so they
-  are the gradient of the *sum* of the per-device losses (divide the loss by
-  `lax.axis_size` for the mean); under `pmap`, and for params marked varying
-  with `lax.pvary`, the per-device gradients are averaged here.
+  `axis_name` names the data axes only. Under `pmap` the per-device
+  gradients are `pmean`-ed; inside `shard_map` (with `check_vma=True`) JAX
+  has already summed each gradient over the devices sharing its parameter
+  (replicated, FSDP-sharded or tensor-parallel), so the sum is divided by
+  the number of data-parallel devices: the result is the gradient of the
+  loss averaged over the data axes either way, never averaged across a
+  parameter's shards. The finiteness flag is agreed over every bound axis.
 
   With `max_retries=N > 0`, a non-finite step is redone in the same call:
   the scale backs off (`loss_scale.adjust(False)`) and the forward and
@@ -246,11 +234,15 @@ def scaled_value_and_grad(
     argnums: which positional arguments of `fun` to differentiate, as in
       `jax.value_and_grad`. Their leaves must all be floating point.
     has_aux: whether `fun` returns `(loss, aux)`.
-    axis_name: the mapped axis of `pmap` / `shard_map` to all-reduce the
-      gradients, the loss and the finiteness flag over; None for one device
-      (or plain `jit` over sharded arrays, where reductions are global).
-    reduce_dtype: dtype the cross-device mean is computed in (float32 by
-      default, so a sum of half gradients cannot overflow); pass
+    axis_name: the data axes of `pmap` / `shard_map` (those the batch is
+      split over) to average the gradients and the loss over; the flag is
+      agreed over every axis. None for one device, or for plain `jit` over
+      sharded arrays, where reductions are global. Naming a model axis
+      inside `shard_map` raises a `ValueError` saying what to pass.
+    reduce_dtype: dtype the helper's cross-device mean is computed in
+      (float32 by default, so a sum of half gradients cannot overflow;
+      inside `shard_map` JAX's own sum runs in the gradient's dtype and
+      only the division uses it); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
     grad_dtype: dtype to return the floating gradients in; None keeps each
       leaf's own dtype. float32 keeps tiny unscaled gradients of float16
@@ -325,11 +317,11 @@ def scaled_value_and_grad(
         if _is_floating(g_) else u, unscaled, grads)
 
     if axis_name is not None:
-      grads = _pmean(grads, axis_name, reduce_dtype)
-      loss = _pmean(loss, axis_name, reduce_dtype)
-    grads_finite = loss_scale_lib.all_finite(grads)
-    if axis_name is not None:
-      grads_finite = _all_reduce_finite(grads_finite, axis_name)
+      distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
+      grads = distributed.average_grads(grads, axis_name, reduce_dtype)
+      loss = distributed.average_value(loss, axis_name, reduce_dtype)
+    grads_finite = distributed.agree_finite(
+        loss_scale_lib.all_finite(grads), axis_name)
     return grads, grads_finite, loss, aux
 
   def retry(loss_scale, grads, grads_finite, args, kwargs):
@@ -368,7 +360,7 @@ def scaled_value_and_grad(
     flags = nonfinite_flags(grads)
     if axis_name is not None:
       flags = jax.tree_util.tree_map(
-          lambda f: ~_all_reduce_finite(~f, axis_name), flags)
+          lambda f: ~distributed.agree_finite(~f, axis_name), flags)
     return new_loss_scale, grads_finite, value, grads, flags
 
   return g
@@ -465,7 +457,9 @@ def skip_nonfinite(
     def skip_update(operands):
       u, s, _ = operands
       shapes, _ = jax.eval_shape(do_update, operands)
-      return jax.tree_util.tree_map(_identity_update, shapes), s
+      identity = jax.tree_util.tree_map(_identity_update, shapes)
+      return distributed.vary_like(
+          identity, lambda o: do_update(o)[0], operands), s
 
     new_updates, inner_state = lax.cond(
         grads_finite, do_update, skip_update,
@@ -796,6 +790,7 @@ def make_train_step(
     grad_dtype: Any = None,
     max_retries: int = 0,
     param_rounding: str = "nearest",
+    average_state: bool = True,
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -817,7 +812,11 @@ def make_train_step(
       The state is not differentiated, so it may hold integers; on a
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
-      `scaled_value_and_grad`.
+      `scaled_value_and_grad`; `axis_name` names the data axes only.
+    average_state: with `has_state` and `axis_name`, average the floating
+      leaves of the new model state (BatchNorm's statistics) over the data
+      axes, in float32, so every device keeps the same state (and
+      `shard_map(out_specs=P())` accepts it). Integer leaves are kept.
     param_rounding: `"nearest"`, or `"stochastic"` to write bfloat16 and
       float16 params with stochastic rounding (no float32 copy): the step
       runs `stochastic_params(optimizer)`, so make `opt_state` with
@@ -883,6 +882,9 @@ def make_train_step(
       value = (loss, aux)
     else:
       value, new_model_state = loss, extra
+    if axis_name is not None and average_state:
+      new_model_state = distributed.average_value(
+          new_model_state, axis_name, jnp.float32)
     new_params, new_opt_state = update_if_finite(
         optimizer, grads, opt_state, params, finite)
     new_model_state = loss_scale_lib.select_tree(

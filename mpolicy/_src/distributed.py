@@ -1,0 +1,194 @@
+"""The cross-device contract of the training helpers.
+
+`axis_name` names the *data* axes: the mesh axes (or the `pmap` axis) the
+batch is split over. The helpers keep three promises across devices:
+
+* Gradients are the gradients of the loss averaged over the data axes, and
+  are never averaged across the shards of a parameter. Under `pmap` each
+  device has its own gradient and they are averaged with a `pmean` (in
+  `reduce_dtype`). Inside `shard_map` (with `check_vma=True`), JAX's AD has
+  already summed every gradient over the devices that share its parameter
+  (the transpose of the implicit `pcast` of a replicated parameter, or of
+  the `all_gather` of an FSDP shard, is a sum): the sum is divided by the
+  number of data-parallel devices, and nothing is reduced twice. With
+  `check_vma=False` JAX does not sum a replicated parameter's gradient, and
+  does not record which gradients it summed: every gradient is treated as
+  a replicated parameter's and `pmean`-ed over the data axes (so FSDP
+  needs `check_vma=True`), and a mesh with axes besides the data axes is
+  refused.
+* The finiteness flag is agreed over *every* axis bound where the step is
+  traced (data and model axes alike), so all devices skip together and the
+  loss scale stays the same everywhere.
+* Module state (BatchNorm statistics) is averaged over the data axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import jax_compat
+
+PyTree = Any
+
+
+def _is_floating(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def data_axes(axis_name: Any) -> tuple:
+  """`axis_name` (an axis name or a sequence of them) as a tuple."""
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def _check_bound(axes: tuple, where: str) -> None:
+  bound = jax_compat.bound_axis_names()
+  missing = [a for a in axes if a not in bound]
+  if missing:
+    raise ValueError(
+        f"{where}: axis_name={axes if len(axes) != 1 else axes[0]!r} names "
+        f"{missing!r}, which no enclosing pmap or shard_map binds (bound "
+        f"here: {sorted(map(str, bound))}). Pass the axes the batch is "
+        "split over, and call the step inside the pmap / shard_map; under "
+        "plain jax.jit with sharded arrays pass axis_name=None.")
+
+
+def _in_shard_map(axes: tuple) -> bool:
+  manual = jax_compat.manual_axes()
+  return bool(axes) and all(a in manual for a in axes)
+
+
+def _mean_over(x: Any, axes: tuple, reduce_dtype: Any) -> Any:
+  if not _is_floating(x) or not axes:
+    return x
+  work = x.dtype if reduce_dtype is None else reduce_dtype
+  return lax.pmean(x.astype(work), axes).astype(x.dtype)
+
+
+def _varying_data_axes(x: Any, axes: tuple) -> tuple:
+  """The data axes to average ``x`` over: those it varies over when its
+  type says so, all of them when it cannot (pmap, ``check_vma=False``)."""
+  if _in_shard_map(axes) and jax_compat.check_vma_enabled():
+    vma = jax_compat.varying_axes(x)
+    return tuple(a for a in axes if a in vma)
+  return axes
+
+
+def average_value(tree: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
+  """Floating leaves averaged over the data axes they differ across (the
+  loss, module state)."""
+  axes = data_axes(axis_name)
+  return jax.tree_util.tree_map(
+      lambda x: _mean_over(x, _varying_data_axes(x, axes), reduce_dtype),
+      tree)
+
+
+def check_loss_axes(loss: Any, axis_name: Any, where: str) -> None:
+  """Raises if a named data axis is one the loss does not vary over.
+
+  Inside `shard_map` with `check_vma=True` a loss that is the same on every
+  device of an axis (after a `psum` over a tensor-parallel axis) says that
+  axis does not split the batch: averaging gradients over it would mix the
+  shards of the parameters split over it.
+  """
+  axes = data_axes(axis_name)
+  _check_bound(axes, where)
+  if not _in_shard_map(axes):
+    return
+  if not jax_compat.check_vma_enabled():
+    others = sorted(map(str, jax_compat.manual_axes() - set(axes)))
+    if others:
+      raise ValueError(
+          f"{where}: inside a shard_map with check_vma=False over mesh axes "
+          f"{others} besides the data axes {list(axes)}: without varying-axes "
+          "types JAX's AD sums the gradients of tensor-parallel collectives "
+          "once per device along those axes and does not record which "
+          "gradients it summed, so no averaging can be right. Use "
+          "check_vma=True (the default), or a mesh of the data axes only.")
+    return
+  vma = jax_compat.varying_axes(loss)
+  if not vma:
+    return  # A loss made the same everywhere (e.g. pmean-ed by the user).
+  wrong = [a for a in axes if a not in vma]
+  if wrong:
+    right = tuple(a for a in axes if a in vma)
+    raise ValueError(
+        f"{where}: axis_name names {wrong!r}, but the loss is the same on "
+        f"every device along {wrong!r}, so the batch is not split over it "
+        "(a tensor-parallel or model axis). axis_name lists the data axes "
+        f"only: pass axis_name={right[0] if len(right) == 1 else right!r}. "
+        "The finiteness flag and the loss scale are agreed over every "
+        "mesh axis whatever axis_name says.")
+
+
+def average_grads(grads: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
+  """The gradients of the loss averaged over the data axes.
+
+  Under `pmap` (and `shard_map` with `check_vma=False`) a `pmean` over the
+  data axes in `reduce_dtype`; inside `shard_map` with `check_vma=True`,
+  JAX has already summed them, so the sum is divided by the number of
+  devices along the data axes (in `reduce_dtype`), with no collective.
+  """
+  axes = data_axes(axis_name)
+  if not axes:
+    return grads
+  if _in_shard_map(axes) and jax_compat.check_vma_enabled():
+    count = int(np.prod([lax.axis_size(a) for a in axes]))
+
+    def divide(g):
+      if not _is_floating(g):
+        return g
+      work = g.dtype if reduce_dtype is None else reduce_dtype
+      return (g.astype(work) / count).astype(g.dtype)
+    return jax.tree_util.tree_map(divide, grads)
+  return jax.tree_util.tree_map(
+      lambda g: _mean_over(g, axes, reduce_dtype), grads)
+
+
+def agree_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """The flag, True on every device only if it is True on all of them.
+
+  Agreed over every bound axis it may differ across, not only the data
+  axes: a tensor-parallel shard's overflow skips the step everywhere.
+  """
+  if not data_axes(axis_name):
+    return finite
+  if jax_compat.check_vma_enabled() and jax_compat.manual_axes():
+    # Typed: reduce over the axes the flag varies over, plus any non-manual
+    # (pmap) axes bound around it.
+    axes = (jax_compat.varying_axes(finite)
+            | (jax_compat.bound_axis_names() - jax_compat.manual_axes()))
+  else:
+    axes = jax_compat.bound_axis_names()
+  axes = tuple(sorted(axes, key=str))
+  if not axes:
+    return finite
+  # pmin over an int: integers reduce exactly; bools are not reducible
+  # everywhere.
+  return lax.pmin(finite.astype(jnp.int32), axes).astype(jnp.bool_)
+
+
+def vary_like(tree: PyTree, fn: Any, *args: Any) -> PyTree:
+  """``tree`` with each leaf marked varying over the mesh axes the matching
+  output leaf of ``fn(*args)`` varies over (traced, not run).
+
+  Both branches of a `lax.cond` inside `shard_map` must vary over the same
+  axes: an identity built from constants is made to vary like the outputs
+  of the branch it stands in for.
+  """
+  if not (jax_compat.check_vma_enabled() and jax_compat.manual_axes()):
+    return tree
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  vmas = jax_compat.out_varying_axes(fn, *args)
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax_compat.make_varying(x, tuple(sorted(v, key=str)))
+      for x, v in zip(leaves, vmas)])

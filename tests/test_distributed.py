@@ -1,0 +1,319 @@
+"""Training across 8 simulated devices: one cross-device contract.
+
+Every mode (pmap; shard_map with replicated, FSDP-sharded and
+tensor-parallel parameters on 1-D and 2-D meshes, check_vma on and off;
+jax.jit with NamedSharding; explicit sharding) is compared with the
+one-device gradient of the same loss. One subprocess with
+`--xla_force_host_platform_device_count=8` computes every fact (a failure in
+one mode is recorded as that mode's error, not a crash), and the tests
+below assert on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import pytest
+
+from _helpers import facts_on_eight_devices
+
+_SCRIPT = r'''
+import json, re
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import mpolicy
+import os
+from mpolicy._src import training
+
+N = jax.device_count()
+assert N == 8, N
+facts = {}
+
+def guard(name, fn):
+  try:
+    facts[name] = fn()
+  except Exception as e:  # recorded, so one defect does not hide the others
+    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+def relerr(a, b):
+  a = jax.tree_util.tree_leaves(a); b = jax.tree_util.tree_leaves(b)
+  return max(float(jnp.linalg.norm(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))
+                   / jnp.linalg.norm(jnp.asarray(y, jnp.float32))) for x, y in zip(a, b))
+
+smap = lambda f, mesh, i, o, cv=True: jax.jit(jax.shard_map(
+    f, mesh=mesh, in_specs=i, out_specs=o, check_vma=cv))
+mesh1 = Mesh(np.array(jax.devices()), ("d",))
+mesh2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+POLICY = "p=f32,c=bf16,o=f32"
+LS = mpolicy.DynamicLossScale(jnp.float32(2. ** 15))
+
+k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+x = jax.random.normal(k1, (64, 16))
+y = jnp.sin(x[:, :4])
+params = {"w1": jax.random.normal(k2, (16, 32)) / 4, "w2": jax.random.normal(k3, (32, 4)) / 6}
+
+def mlp_loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"])
+  return jnp.mean((h @ p["w2"] - y) ** 2)
+loss = mpolicy.amp(mlp_loss, POLICY)
+_, _, ref_loss, ref = training.scaled_value_and_grad(loss)(LS, params, x, y)
+ref_loss = float(ref_loss)
+facts["one_device_loss"] = ref_loss
+
+# --- 1-D: pmap, shard_map replicated (check_vma on/off), FSDP -----------------
+def grads_pmap():
+  g = training.scaled_value_and_grad(loss, axis_name="d")
+  out = jax.pmap(lambda p, x, y: g(LS, p, x, y)[2:], axis_name="d",
+                 in_axes=(None, 0, 0))(params, x.reshape(8, 8, 16), y.reshape(8, 8, 4))
+  return {"loss": float(out[0][0]), "relerr": relerr(jax.tree.map(lambda t: t[0], out[1]), ref)}
+guard("pmap", grads_pmap)
+
+def grads_replicated(cv):
+  g = training.scaled_value_and_grad(loss, axis_name="d")
+  def body(p, x, y):
+    _, finite, l, gr = g(LS, p, x, y)
+    return l, gr, finite
+  l, gr, _ = smap(body, mesh1, (P(), P("d"), P("d")), P(), cv)(params, x, y)
+  return {"loss": float(l), "relerr": relerr(gr, ref)}
+guard("replicated_vma", lambda: grads_replicated(True))
+guard("replicated_novma", lambda: grads_replicated(False))
+
+FS = {"w1": P("d"), "w2": P("d")}
+def fsdp_loss(p, x, y):
+  full = jax.tree.map(lambda w: jax.lax.all_gather(w, "d", tiled=True), p)
+  return loss(full, x, y)
+def grads_fsdp():
+  g = training.scaled_value_and_grad(fsdp_loss, axis_name="d")
+  def body(p, x, y):
+    _, finite, l, gr = g(LS, p, x, y)
+    return l, gr, finite
+  l, gr, finite = smap(body, mesh1, (FS, P("d"), P("d")), (P(), FS, P()))(params, x, y)
+  return {"loss": float(l), "relerr": relerr(gr, ref), "finite": bool(finite)}
+guard("fsdp", grads_fsdp)
+
+# --- 2-D: data x model, Megatron MLP --------------------------------------------
+TP = {"w1": P(None, "model"), "w2": P("model", None)}
+def tp_loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"])
+  out = jax.lax.psum(h @ p["w2"], "model")
+  return jnp.mean((out - y) ** 2)
+tp_amp = mpolicy.amp(tp_loss, POLICY)
+def grads_2d(axis_name, cv=True):
+  g = training.scaled_value_and_grad(tp_amp, axis_name=axis_name)
+  def body(p, x, y, ls):
+    ls, finite, l, gr = g(ls, p, x, y)
+    return l, gr, finite, ls
+  l, gr, finite, ls = smap(body, mesh2, (TP, P("data"), P("data"), P()),
+                           (P(), TP, P(), P()), cv)(params, x, y, LS)
+  return {"loss": float(l), "relerr": relerr(gr, ref), "finite": bool(finite)}
+guard("tp_data", lambda: grads_2d("data"))
+guard("tp_both", lambda: grads_2d(("data", "model")))
+guard("tp_data_novma", lambda: grads_2d("data", cv=False))
+
+# --- A NaN on one device, sharded params: every device skips ------------------
+@jax.custom_vjp
+def poison(h, f):
+  return h
+poison.defvjp(lambda h, f: (h, f), lambda f, ct: (ct * f, jnp.zeros_like(f)))
+def tp_loss_poison(p, x, y, f):
+  h = poison(jnp.tanh(x @ p["w1"]), f[0])
+  out = jax.lax.psum(h @ p["w2"], "model")
+  return jnp.mean((out - y) ** 2)
+def skip_2d(use_make_step):
+  tx = training.skip_nonfinite(optax.adam(1e-2))
+  g = training.scaled_value_and_grad(mpolicy.amp(tp_loss_poison, POLICY), axis_name="data")
+  def body(p, s, ls, x, y, f):
+    ls, finite, l, gr = g(ls, p, x, y, f)
+    u, s = tx.update(gr, s, p, grads_finite=finite)
+    return optax.apply_updates(p, u), s, ls, finite[None]
+  sspec = training.SkipNonFiniteState(
+      inner_state=(optax.ScaleByAdamState(count=P(), mu=TP, nu=TP), optax.EmptyState()),
+      notfinite_count=P(), last_finite=P(), total_notfinite=P())
+  f = jnp.ones(8).at[5].set(jnp.nan)  # device 5 only: data 2, model 1
+  fn = smap(body, mesh2, (TP, sspec, P(), P("data"), P("data"), P(("data", "model"))),
+            (TP, sspec, P(), P(("data", "model"))))
+  s0 = tx.init(params)
+  p1, s1, ls1, fl = fn(params, s0, LS, x, y, f)
+  same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(params)))
+  p2, _, _, fl2 = fn(params, s0, LS, x, y, jnp.ones(8))
+  moved = not any(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
+  return {"flags": np.asarray(fl).tolist(), "params_kept": same,
+          "count": int(s1.inner_state[0].count), "loss_scale": float(ls1.loss_scale),
+          "finite_flags": np.asarray(fl2).tolist(), "moved": moved}
+guard("skip_2d", lambda: skip_2d(False))
+
+def skip_fsdp_make_step():
+  step = training.make_train_step(fsdp_loss_f, optax.adam(1e-2), axis_name="d")
+  tx = optax.adam(1e-2)
+  sspec = (optax.ScaleByAdamState(count=P(), mu=FS, nu=FS), optax.EmptyState())
+  fn = smap(lambda p, s, ls, x, y, f: step(p, s, ls, x, y, f)[:4], mesh1,
+            (FS, sspec, P(), P("d"), P("d"), P("d")), (FS, sspec, P(), P()))
+  f = jnp.ones(8).at[3].set(jnp.inf)
+  p1, s1, ls1, fin = fn(params, tx.init(params), LS, x, y, f)
+  same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(params)))
+  return {"finite": bool(fin), "params_kept": same, "loss_scale": float(ls1.loss_scale)}
+def fsdp_loss_f(p, x, y, f):
+  full = jax.tree.map(lambda w: jax.lax.all_gather(w, "d", tiled=True), p)
+  def inner(full, x, y, f):
+    h = poison(jnp.tanh(x @ full["w1"]), f[0])
+    return jnp.mean((h @ full["w2"] - y) ** 2)
+  return mpolicy.amp(inner, POLICY)(full, x, y, f)
+guard("skip_fsdp_make_step", skip_fsdp_make_step)
+
+# --- BatchNorm-style state under shard_map(out_specs=P()) ----------------------
+def bn_state():
+  def loss_fn(p, state, x, y):
+    mean = x.mean(0)
+    new_state = {"mean": 0.9 * state["mean"] + 0.1 * mean, "count": state["count"] + 1}
+    return mlp_loss(p, x - mean, y), new_state
+  tx = optax.sgd(0.1)
+  step = training.make_train_step(loss_fn, tx, has_state=True, axis_name="d")
+  state = {"mean": jnp.zeros(16), "count": jnp.zeros([], jnp.int32)}
+  fn = smap(lambda p, st, s, ls, x, y: step(p, st, s, ls, x, y).model_state, mesh1,
+            (P(), P(), P(), P(), P("d"), P("d")), P())
+  out = fn(params, state, tx.init(params), LS, x, y)
+  want = 0.1 * x.reshape(8, 8, 16).mean(1).mean(0)
+  return {"mean_err": float(jnp.abs(out["mean"] - want).max()), "count": int(out["count"])}
+guard("bn_state", bn_state)
+
+# --- Explicit sharding: grad through amp with the batch sharded ---------------
+def explicit():
+  from jax.sharding import AxisType
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ys = jax.device_put(y, NamedSharding(mesh, P("data")))
+  ps = jax.device_put(params, NamedSharding(mesh, P()))
+  out = {}
+  with (jax.set_mesh(mesh) if hasattr(jax, 'set_mesh') else jax.sharding.use_mesh(mesh)):
+    gr = jax.jit(jax.grad(loss))(ps, xs, ys)
+    out["bf16_relerr"] = relerr(gr, ref)
+    out["bf16_replicated"] = all(e is None for e in gr["w1"].sharding.spec)
+    f8 = mpolicy.amp(mlp_loss, "p=f32,c=f8,o=f32")
+    gr8 = jax.jit(jax.grad(f8))(ps, xs, ys)
+    out["f8_relerr"] = relerr(gr8, ref)
+    dims = (((1,), (0,)), ((), ()))
+    f_os = lambda p, x: jax.lax.dot_general(x, p["w1"], dims, out_sharding=P("data", None)).sum()
+    rows = mpolicy.explain(mpolicy.amp(f_os, "p=f32,c=f8,o=f32"), ps, xs).rows
+    out["f8_out_sharding_why"] = [(r.ran_in, r.decided_by) for r in rows if "dot" in r.primitive]
+  return out
+guard("explicit", explicit)
+
+# --- The reduction dtype in the compiled HLO ------------------------------------
+def collectives(hlo):
+  """Each gradient-sized all-reduce / reduce-scatter's element types, and
+  whether XLA:CPU promoted it (it runs bf16 reductions in f32 and marks the
+  reduction region `_promoted`): what the program asked for is the type
+  before promotion."""
+  out = set()
+  for line in hlo.splitlines():
+    m = re.search(r"= (.*?) (all-reduce|reduce-scatter|all-reduce-start)\(", line)
+    if not m:
+      continue
+    shapes = re.findall(r"(bf16|f16|f32|f64|s32|pred)\[([\d,]*)\]", m.group(1))
+    for t, dims in shapes:
+      if dims:  # scalars are the loss / flag, not gradients
+        out.add((m.group(2).replace("-start", ""),
+                 "bf16" if "_promoted" in line and t == "f32" else t))
+  return sorted(out)
+def hlo_dtypes():
+  out = {}
+  for rd in ("float32", "bfloat16"):
+    g = training.scaled_value_and_grad(loss, axis_name="d", reduce_dtype=jnp.dtype(rd))
+    f = jax.pmap(lambda p, x, y: g(LS, p, x, y)[3], axis_name="d", in_axes=(None, 0, 0))
+    out["pmap_" + rd] = collectives(f.lower(params, x.reshape(8, 8, 16), y.reshape(8, 8, 4)).compile().as_text())
+  for name, pp in (("f32", params), ("bf16", jax.tree.map(lambda w: w.astype(jnp.bfloat16), params))):
+    g = training.scaled_value_and_grad(loss, axis_name="d")
+    f = smap(lambda p, x, y: g(LS, p, x, y)[3], mesh1, (P(), P("d"), P("d")), P())
+    out["shard_map_" + name] = collectives(f.lower(pp, x, y).compile().as_text())
+    g0 = training.scaled_value_and_grad(loss)
+    f = jax.jit(lambda p, x, y: g0(LS, p, x, y)[3])
+    xs = jax.device_put(x, NamedSharding(mesh1, P("d"))); ys = jax.device_put(y, NamedSharding(mesh1, P("d")))
+    out["jit_" + name] = collectives(f.lower(pp, xs, ys).compile().as_text())
+  return out
+guard("hlo", hlo_dtypes)
+
+print("FACTS=" + json.dumps(facts))
+'''
+TOL = 5e-3  # bf16 compute: the one-device gradient has the same rounding.
+
+
+@functools.lru_cache(maxsize=1)
+def _facts() -> dict:
+  return facts_on_eight_devices(_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def facts():
+  return _facts()
+
+
+def _ok(facts, name):
+  value = facts[name]
+  assert "error" not in value, value
+  return value
+
+
+@pytest.mark.parametrize("mode", ["pmap", "replicated_vma", "replicated_novma",
+                                  "fsdp", "tp_data"])
+def test_gradients_are_the_one_device_gradients(facts, mode):
+  got = _ok(facts, mode)
+  assert got["relerr"] < TOL, got
+  assert abs(got["loss"] - facts["one_device_loss"]) < 1e-3, got
+
+
+def test_a_model_axis_named_as_data_axis_says_what_to_pass(facts):
+  error = facts["tp_both"]["error"]
+  assert error.startswith("ValueError"), error
+  assert "['model']" in error and "pass axis_name='data'" in error, error
+
+
+def test_check_vma_off_with_a_model_axis_is_refused(facts):
+  error = facts["tp_data_novma"]["error"]
+  assert error.startswith("ValueError") and "check_vma=True" in error, error
+  assert "['model']" in error, error
+
+
+def test_nan_on_one_device_skips_everywhere_with_sharded_params(facts):
+  got = _ok(facts, "skip_2d")
+  assert got["flags"] == [False] * 8, got          # agreed over data & model
+  assert got["params_kept"] and got["count"] == 0, got
+  assert got["loss_scale"] == 2. ** 14, got
+  assert got["finite_flags"] == [True] * 8 and got["moved"], got
+
+
+def test_make_train_step_fsdp_skips_on_all_devices(facts):
+  got = _ok(facts, "skip_fsdp_make_step")
+  assert got == {"finite": False, "params_kept": True,
+                 "loss_scale": 2. ** 14}, got
+
+
+def test_batchnorm_state_is_averaged_over_the_data_axis(facts):
+  got = _ok(facts, "bn_state")
+  assert got["mean_err"] < 1e-6 and got["count"] == 1, got
+
+
+def test_grad_through_amp_under_explicit_sharding(facts):
+  got = _ok(facts, "explicit")
+  assert got["bf16_relerr"] < TOL, got
+  assert got["bf16_replicated"], got  # the parameter's own sharding
+  assert got["f8_relerr"] < 0.1, got
+  assert got["f8_out_sharding_why"] and all(
+      ran == "bfloat16" and "not float8_e4m3fn: the dot names an out_sharding"
+      in why for ran, why in got["f8_out_sharding_why"]), got
+
+
+def test_reduction_dtype_in_the_compiled_hlo(facts):
+  hlo = _ok(facts, "hlo")
+  # pmap: the helper's pmean, in reduce_dtype.
+  assert hlo["pmap_float32"] == [["all-reduce", "f32"]], hlo
+  assert hlo["pmap_bfloat16"] == [["all-reduce", "bf16"]], hlo
+  # shard_map: JAX's own sum, in the gradient's dtype (the parameter's).
+  assert hlo["shard_map_f32"] == [["all-reduce", "f32"]], hlo
+  assert hlo["shard_map_bf16"] == [["all-reduce", "bf16"]], hlo
+  # jit + NamedSharding: GSPMD sums the weight-gradient dot's output, which
+  # on CPU is the float32 accumulator even for bf16 parameters.
+  assert hlo["jit_f32"] == [["all-reduce", "f32"]], hlo
+  assert hlo["jit_bf16"] == [["all-reduce", "f32"]], hlo
