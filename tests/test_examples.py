@@ -314,12 +314,12 @@ def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
   assert result.metrics["test accuracy"] > 0.95
 
 
-@pytest.mark.parametrize("flag", ["", "--fsdp"])
+@pytest.mark.parametrize("flag", ["", "--fsdp", "--shard_map"])
 def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
                                                                    flag):
   rc, out, err = run_example("data_parallel", "--steps=3", "--batch_size=16",
                              *([flag] if flag else []), cwd=tmp_path)
   assert_ok(rc, out, err)
-  mode = "fsdp" if flag else "jit"
+  mode = flag.lstrip("-") or "jit"
   assert f"{mode} on 8 devices: final loss" in out, out
   assert "one device:" in out and "max |param difference|" in out, out

@@ -159,10 +159,11 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision, pin_lhs=True):
 
 
 def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype, out_sharding=None):
+                   compute_dtype, out_sharding=None, pin_lhs=False):
   lhs, rhs = _cast(lhs, compute_dtype), _cast(rhs, compute_dtype)
   if out_sharding is None:
-    out = _canonical_dot(lhs, rhs, dimension_numbers, precision)
+    out = _canonical_dot(lhs, rhs, dimension_numbers, precision,
+                         pin_lhs=pin_lhs)
   else:
     # With an output sharding the operands keep their layout (merging a
     # sharded dimension is not always expressible); they are widened
@@ -175,11 +176,7 @@ def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
   return out.astype(out_dtype)
 
 
-def _dot_cpu(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-             compute_dtype):
-  out = _canonical_dot(_cast(lhs, compute_dtype), _cast(rhs, compute_dtype),
-                       dimension_numbers, precision, pin_lhs=True)
-  return out.astype(out_dtype)
+_dot_cpu = functools.partial(_dot_composite, pin_lhs=True)
 
 
 def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
