@@ -270,3 +270,24 @@ def test_char_transformer_benchmark_smoke(tmp_path):
   assert results["f16_static_skip"]["hlo"]["convert_pairs"]["f32->f16"] > 0
   assert results["bf16"]["hlo"]["convert_pairs"]["f32->bf16"] > 0
   assert "| f16_static_skip |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_trace_benchmark_reports_every_column_and_ratios_to_jmp():
+  proc = _run("bench_trace.py", "--layers=1,2", "--repeats=1", "--d_model=32",
+              "--heads=2", "--seq=8", "--batch=2", "--vocab=64",
+              "--variants=jmp,transform_amp,amp(apply)")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "### 1 layers" in out and "### 2 layers" in out, out
+  rows = [line.split("|")[1:-1] for line in out.splitlines()
+          if line.startswith("| jmp |") or line.startswith("| transform_amp |")
+          or line.startswith("| amp(apply) |")]
+  table_rows = [r for r in rows if len(r) == 10]  # the per-depth tables
+  assert len(table_rows) == 6, out
+  for row in table_rows:
+    eqns, binds, hlo = (int(row[i]) for i in (6, 7, 8))
+    assert eqns > 0 and binds >= eqns and hlo > 0, row
+  jmp_rows = [r for r in table_rows if r[0].strip() == "jmp"]
+  assert all(r[3].strip() == "1.00" for r in jmp_rows), jmp_rows
+  assert "eager calls" in out and "per added layer" in out, out
