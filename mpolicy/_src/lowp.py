@@ -56,7 +56,22 @@ def _abstract_eval(composite, lhs, rhs, **params):
 
   Traced at the operands' own avals, so what they carry besides shape and
   dtype (inside `shard_map`: the mesh axes they vary over) carries over.
+  A deep model asks the same question at every layer: the answer is cached
+  by the avals and params (both hashable; anything else is traced afresh).
   """
+  try:
+    return _cached_abstract_eval(composite, lhs, rhs,
+                                 tuple(sorted(params.items())))
+  except TypeError:  # An unhashable param.
+    return _trace_out_aval(composite, lhs, rhs, params)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_abstract_eval(composite, lhs, rhs, params):
+  return _trace_out_aval(composite, lhs, rhs, dict(params))
+
+
+def _trace_out_aval(composite, lhs, rhs, params):
   closed = jax_compat.trace_to_closed_jaxpr(
       lambda a, b: [composite(a, b, **params)], [lhs, rhs])
   return closed.out_avals[0]
