@@ -49,3 +49,29 @@ def test_an_unhashable_param_is_traced_afresh():
     out = lowp._abstract_eval(composite, aval, aval, tag=["unhashable"])
     assert out.shape == (2, 3) and out.dtype == jnp.float32
   assert len(calls) == 2
+
+
+def _scan_body_dots(jaxpr):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      body = eqn.params["jaxpr"].jaxpr
+      return [e for e in body.eqns if e.primitive.name == "amp_dot_general"]
+  raise AssertionError(f"no scan in {jaxpr}")
+
+
+def test_a_scan_carry_is_not_a_parameter_on_every_jax_version():
+  # A parameter goes into the matmul in float32 (the primitive casts it);
+  # a scan's carry changes every iteration and goes in as bfloat16. Read
+  # through jax_compat.scan_counts, so JAX 0.10's num_carry and JAX 0.11's
+  # ft_in both mark it.
+  def f(x, w):
+    step = lambda h, _: (jnp.tanh(h @ w), None)
+    return jax.lax.scan(step, x, None, length=3)[0]
+
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 8))
+  jaxpr = jax.make_jaxpr(mpolicy.amp(f, "p=f32,c=bf16,o=f32"))(x, w).jaxpr
+  dots = _scan_body_dots(jaxpr)
+  assert len(dots) == 1
+  carry, weight = (v.aval.dtype for v in dots[0].invars)
+  assert carry == jnp.bfloat16, dots[0]
+  assert weight == jnp.float32, dots[0]

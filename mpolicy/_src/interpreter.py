@@ -134,14 +134,14 @@ class Scope:
   """
 
   def __init__(self, config: Config, env: Env, names: tuple[str, ...],
-               invals: Sequence[Any] = (), eqn_params=None):
+               invals: Sequence[Any] = (), eqn=None):
     self._config = config
     self._env = env
     self.names = names
     self._invals = list(invals)
-    self._eqn_params = eqn_params
+    self._eqn = eqn
 
-  def _arg_params(self, in_avals, eqn_params) -> list[bool]:
+  def _arg_params(self, in_avals, eqn) -> list[bool]:
     """Which sub-jaxpr inputs are parameters or inputs of the `amp` call.
 
     Operands map onto a sub-jaxpr's inputs one to one (`jit`, `checkpoint`,
@@ -155,12 +155,11 @@ class Scope:
       out = flags[1:]
     else:
       return [False] * len(in_avals)
-    if eqn_params is not None and "num_carry" in eqn_params:
+    if eqn is not None and eqn.primitive is jax_compat.scan_p:
       # Loop carries change from one iteration to the next.
-      start = eqn_params["num_consts"]
+      start, n_carry = jax_compat.scan_counts(eqn.params)
       out = list(out)
-      out[start:start + eqn_params["num_carry"]] = (
-          [False] * eqn_params["num_carry"])
+      out[start:start + n_carry] = [False] * n_carry
     return out
 
   def cast(self, x, dtype):
@@ -182,7 +181,7 @@ class Scope:
     config = dataclasses.replace(self._config,
                                  quiet=self._config.quiet or quiet)
     names = self.names
-    arg_params = self._arg_params(in_avals, self._eqn_params)
+    arg_params = self._arg_params(in_avals, self._eqn)
 
     def run(*args):
       env = Env()
@@ -233,7 +232,7 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
     with jax_compat.eqn_context_under(base, eqn):
       rule = higher_order.rule_for(eqn.primitive)
       if rule is not None:
-        outs = rule(Scope(config, env, names, invals, eqn.params), eqn,
+        outs = rule(Scope(config, env, names, invals, eqn), eqn,
                     invals)
       else:
         region = config.region(names)
