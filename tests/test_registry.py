@@ -274,3 +274,26 @@ def test_pushes_are_thread_local():
     assert seen[i][0] == policy
     assert seen[i][1] == jnp.dtype(policy.output_dtype)
   assert mpolicy.policy_for(hk.Linear) is None
+
+
+def test_pushes_leave_the_jit_cache_context_as_they_found_it():
+  from mpolicy._src import registry as registry_lib  # pylint: disable=g-import-not-at-top
+  state = registry_lib._PUSHED_STATE
+  assert state.value == ()
+  traces = []
+
+  @jax.jit
+  def f(x):
+    traces.append(1)
+    return x * 2
+
+  f(1.)
+  with mpolicy.push_policy("encoder", "p=f32,c=bf16,o=f32"):
+    outer = state.value
+    with mpolicy.push_policy("decoder", "full"):
+      assert len(state.value) == 2
+      f(1.)  # A new registry state: traced again.
+    assert state.value == outer
+  assert state.value == ()
+  f(1.)  # Back to the first state: its cached trace is reused.
+  assert len(traces) == 2

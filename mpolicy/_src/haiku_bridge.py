@@ -145,7 +145,7 @@ def _warn_if_haiku_policy(cls: type) -> None:
     if cls in _warned_classes:
       return
     _warned_classes.add(cls)
-  name = haiku_registry.module_class_name(cls)
+  name = registry.key_name(cls)
   warnings.warn(
       f"hk.mixed_precision has a policy for {name} ({policy}) as well as "
       "mpolicy: inside transform_amp both apply to its calls. Remove it "

@@ -46,23 +46,6 @@ def _default_policy(table: dict) -> Optional[policy_lib.Policy]:
   return registry.lookup(table, hk.Module)
 
 
-def module_class_name(cls: type) -> str:
-  """How messages name a module class.
-
-  Args:
-    cls: a module class.
-
-  Returns:
-    ``hk.`` and the qualified name for Haiku's own classes, the module and
-    qualified name for others.
-
-  >>> import haiku as hk
-  >>> module_class_name(hk.Linear)
-  'hk.Linear'
-  """
-  return registry.key_name(cls)
-
-
 def region_for_module(name: str, cls: type,
                       enclosing: Optional[regions.Region]
                       ) -> Optional[regions.Region]:
@@ -85,7 +68,7 @@ def region_for_module(name: str, cls: type,
   p=f32,c=bf16,o=f32 from class hk.Linear
   """
   table = registry.snapshot()
-  cls_name = module_class_name(cls)
+  cls_name = registry.key_name(cls)
 
   def region(policy, decided_by, inherited=False):
     return regions.Region(policy=policy, decided_by=decided_by,

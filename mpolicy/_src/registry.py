@@ -174,11 +174,19 @@ class _Registry:
     _GLOBAL_STATE.set_global(frozenset(self._global.items()))
 
   def _publish_pushed(self) -> None:
+    # This thread holds at most one entered context, whose value is its
+    # active pushes: each change exits it (restoring the value before any
+    # push) and enters one with the new value, unless none is left.
     value = tuple((p.key, p.policy) for p in self._pushed()
                   if p.policy is not None)
-    # Entering sets this thread's value; it is replaced, never exited, at
-    # the next change of this thread's pushes.
-    _PUSHED_STATE(value).__enter__()
+    entered = getattr(self._local, "entered", None)
+    if entered is not None:
+      entered.__exit__(None, None, None)
+      self._local.entered = None
+    if value:
+      entered = _PUSHED_STATE(value)
+      entered.__enter__()
+      self._local.entered = entered
 
   def set(self, key: Key, policy: policy_lib.Policy) -> None:
     with self._lock:
@@ -453,19 +461,3 @@ def region_for_scopes(names: tuple[str, ...],
                                 decided_by=f"pattern {patterns[0]!r}",
                                 module_name=scope, inherited=True)
   return region
-
-
-def state_key() -> frozenset:
-  """A hashable snapshot of the entries in force for this thread.
-
-  Returns:
-    A frozenset of (table key, policy) pairs; classes appear under their
-    table keys (module and qualified name).
-
-  >>> from mpolicy._src import registry
-  >>> before = registry.state_key()
-  >>> with registry.push_policy("encoder", "full"):
-  ...   print(registry.state_key() == before)
-  False
-  """
-  return frozenset(snapshot().items())
