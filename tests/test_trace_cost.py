@@ -75,3 +75,48 @@ def test_a_scan_carry_is_not_a_parameter_on_every_jax_version():
   carry, weight = (v.aval.dtype for v in dots[0].invars)
   assert carry == jnp.bfloat16, dots[0]
   assert weight == jnp.float32, dots[0]
+
+
+@jax.jit
+def _block(x, w):
+  return jnp.tanh(x @ w)
+
+
+def _named_layers(x, w):
+  for i in range(4):
+    with jax.named_scope(f"layer_{i}"):
+      x = _block(x, w)
+  return x
+
+
+def _inner_jaxprs(jaxpr):
+  return [e.params["jaxpr"] for e in jaxpr.eqns
+          if e.primitive.name in ("pjit", "jit")]
+
+
+def test_a_nested_jit_is_interpreted_once_for_all_layers_under_one_policy():
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 8))
+  f = mpolicy.amp(_named_layers, "p=f32,c=bf16,o=f32")
+  inner = _inner_jaxprs(jax.make_jaxpr(f)(x, w).jaxpr)
+  assert len(inner) == 4
+  # Layer 0 reads the float32 input, layers 1-3 bfloat16 activations: one
+  # interpretation for each.
+  assert inner[1] is inner[2] is inner[3], "each layer re-interpreted"
+  assert inner[0] is not inner[1]
+  assert "amp_dot_general" in str(inner[1])
+
+
+def test_a_layer_under_another_policy_gets_its_own_interpretation():
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 8))
+  f = mpolicy.amp(_named_layers, "p=f32,c=bf16,o=f32")
+  with mpolicy.push_policy("layer_2", "full"):
+    inner = _inner_jaxprs(jax.make_jaxpr(f)(x, w).jaxpr)
+  # Layers 1 and 2 read the same bfloat16 activations; layer 2 runs as
+  # written.
+  assert inner[2] is not inner[1]
+  assert "amp_dot_general" not in str(inner[2])
+  assert "amp_dot_general" in str(inner[1])
+  # explain sees every call site, shared interpretation or not.
+  report = mpolicy.explain(f, x, w)
+  scopes = {row.scope for row in report.rows if row.primitive == "tanh"}
+  assert scopes == {f"layer_{i}" for i in range(4)}, scopes

@@ -30,6 +30,7 @@ from mpolicy._src import first_order
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
+from mpolicy._src import recording
 from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src import widen
@@ -115,6 +116,10 @@ class Config:
   # Regions already resolved in this run, by scope names (one registry
   # look-up per scope rather than per equation).
   region_cache: dict = dataclasses.field(default_factory=dict, compare=False)
+  # Sub-jaxprs already interpreted in this run (see `Scope.trace`), and
+  # which sub-jaxprs hold no scope names of their own.
+  trace_cache: dict = dataclasses.field(default_factory=dict, compare=False)
+  unnamed_cache: dict = dataclasses.field(default_factory=dict, compare=False)
 
   def region(self, names: tuple[str, ...]) -> Optional[regions.Region]:
     try:
@@ -182,6 +187,10 @@ class Scope:
                                  quiet=self._config.quiet or quiet)
     names = self.names
     arg_params = self._arg_params(in_avals, self._eqn)
+    key = self._cache_key(config, closed, in_avals, out_dtypes,
+                          cast_inputs_to, arg_params)
+    if key is not None and key in config.trace_cache:
+      return config.trace_cache[key]
 
     def run(*args):
       env = Env()
@@ -195,7 +204,53 @@ class Scope:
                 for o, d in zip(outs, out_dtypes)]
       return outs
 
-    return jax_compat.trace_to_closed_jaxpr(run, in_avals, like=closed.jaxpr)
+    new = jax_compat.trace_to_closed_jaxpr(run, in_avals, like=closed.jaxpr)
+    if key is not None:
+      config.trace_cache[key] = new
+    return new
+
+  def _cache_key(self, config, closed, in_avals, out_dtypes, cast_inputs_to,
+                 arg_params) -> Optional[tuple]:
+    """What `trace` depends on, where one answer serves every call site.
+
+    A sub-jaxpr without scope names of its own (the `jit` bodies that
+    `jnp.where`, `jnp.var` or `jnp.tril` make) runs under the region of its
+    call site throughout, so its result depends only on the policy there,
+    not on which module calls it: a deep model's layers share one
+    interpretation, and the one new jaxpr lets JAX's own caches hit too.
+    Nothing is shared while `explain` records (each site is a row).
+    """
+    if recording.active() and not config.quiet:
+      return None
+    if not _unnamed(closed.jaxpr, config.unnamed_cache):
+      return None
+    region = config.region(self.names)
+    governs = (None if region is None
+               else (region.policy, region.full_precision))
+    try:
+      key = (closed, tuple(in_avals),
+             None if out_dtypes is None else tuple(out_dtypes),
+             None if cast_inputs_to is None else tuple(cast_inputs_to),
+             config.quiet, tuple(arg_params), governs)
+      hash(key)
+    except TypeError:
+      return None
+    return key
+
+
+def _unnamed(jaxpr, cache: dict) -> bool:
+  """Whether no equation of ``jaxpr`` (or of its sub-jaxprs) has scope names."""
+  try:
+    return cache[jaxpr]
+  except KeyError:
+    pass
+  out = all(not jax_compat.eqn_scope_names(eqn)
+            and all(_unnamed(sub.jaxpr if hasattr(sub, "consts") else sub,
+                             cache)
+                    for sub in jax_compat.jaxprs_in_params(eqn.params))
+            for eqn in jaxpr.eqns)
+  cache[jaxpr] = out
+  return out
 
 
 # --- The loop -----------------------------------------------------------------
