@@ -8,7 +8,9 @@
    returning ``None``; the class rule then runs.
 3. `CLASS_RULES`, by the class the `OpRules` table gives the primitive:
    ``lower``, ``full``, ``promote``, ``None`` for primitives it does not
-   list, and `AS_WRITTEN` inside `full_precision()`.
+   list, and `AS_WRITTEN` inside `full_precision()` and where a policy
+   that computes in float32 or wider (``full``) governs: there no class
+   or special rule applies, and the code runs exactly as written.
 
 A rule takes an `Op` (the equation, its arguments and what governs it),
 returns the outputs, and notes on the `Op` what it decided, which becomes a
@@ -21,8 +23,8 @@ What each class means:
   policy governs or an input is float64. Under a float8 policy (``c=f8``)
   matmuls and convolutions run in `fp8`, and every other op as under
   ``c=bf16``.
-* ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
-  not; the result stays float32, as with autocast. Under a bfloat16 policy
+* ``full`` (exp, log, sums, ...): half inputs cast to float32 where a half
+  policy governs or none does; the result stays float32, as with autocast. Under a bfloat16 policy
   (bfloat16 has float32's range) an element-wise ``full`` op on a bfloat16
   value computes in float32 and stores its result, and the derivative the
   backward pass keeps, in bfloat16, unless only float32 readers use it.
@@ -226,6 +228,10 @@ def _convert(op: Op) -> Optional[list]:
     op.why = f"the module's policy casts its {what}"
   else:
     op.rule, op.why = "explicit cast", "convert_element_type in the traced code"
+  if op.op_class == AS_WRITTEN:
+    # As written: the cast alone, as XLA would compile it without `amp`
+    # (no rounding made explicit, see `widen`).
+    return bind(op.eqn, op.args)
   return [op.env.cast(op.args[0], op.eqn.params["new_dtype"])]
 
 
@@ -240,6 +246,19 @@ def _reinterpret(op: Op) -> list:
 
 
 SPECIAL_RULES[jax_compat.bitcast_convert_type_p] = _reinterpret
+
+
+def _callback(op: Op) -> list:
+  """A host callback is code as written: its operands arrive in the dtypes
+  the traced code had (its results are declared in them too)."""
+  op.rule, op.why = AS_WRITTEN, "host callback: operands in their traced dtypes"
+  op.args = [_cast_as_traced(op.env, a, v.aval.dtype)
+             for a, v in zip(op.args, op.eqn.invars)]
+  return bind(op.eqn, op.args)
+
+
+for _p in jax_compat.CALLBACK_PRIMITIVES:
+  SPECIAL_RULES[_p] = _callback
 
 
 def _in_wider_source(op: Op) -> Optional[list]:
@@ -407,8 +426,12 @@ CLASS_RULES[None] = _inputs
 
 
 def _as_written(op: Op) -> list:
-  """Inside `full_precision()`: disagreeing inputs meet at the widest."""
-  op.rule, op.why = AS_WRITTEN, "full_precision()"
+  """Inside `full_precision()`, or where a policy that computes in float32
+  (or wider) governs: no op rule applies, the ``full`` class's up-cast of
+  half inputs included. Disagreeing inputs meet at the widest."""
+  op.rule = AS_WRITTEN
+  if op.region is None or op.region.full_precision:
+    op.why = "full_precision()"
   return _run_at(op, _array_target(op.eqn, op.args))
 
 
@@ -581,11 +604,16 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
     The output values.
   """
   casts_before = env.inserted
-  as_written = region is not None and region.full_precision
+  wide = region is not None and _wide_policy(region.policy)
+  as_written = region is not None and (region.full_precision or wide)
   policy = None if region is None or as_written else region.policy
   op = Op(eqn=eqn, env=env, rules=rules, region=region, args=list(invals),
           names=names, op_class=AS_WRITTEN if as_written else rules.class_of(
               eqn.primitive.name))
+  if wide:
+    op.why = (f"policy {region.policy} from {region.decided_by} computes in "
+              f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
+              "applies, runs as written")
   if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
     # Matmuls and convolutions go to `fp8`; everything else runs as under
     # the policy's elementwise (bfloat16) compute dtype.
@@ -595,7 +623,8 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
                                policy.output_dtype)
   op.policy = policy
 
-  custom = None if as_written else rules.rule_of(eqn.primitive.name)
+  custom = (None if region is not None and region.full_precision
+            else rules.rule_of(eqn.primitive.name))
   if custom is not None:
     outs = _custom(op, custom)
   else:
@@ -614,6 +643,15 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
                 else env.inserted - casts_before)
     recording.record(_decision(op, invals, outs, names, inserted))
   return outs
+
+
+def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:
+  """Whether ``policy`` computes in float32 or wider (``full``, say): where
+  it governs, the code runs as written."""
+  if policy is None:
+    return False
+  compute = np.dtype(policy.compute_dtype)
+  return not dtypes.is_half(compute) and not policy_lib.is_fp8(compute)
 
 
 def _decision(op: Op, invals, outs, names, casts: int) -> recording.Decision:

@@ -23,9 +23,11 @@ from jax.extend import source_info_util as _siu
 
 # The rest is private JAX. Each import is used by the helpers below.
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import callback as _callback
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import debugging as _debugging
 from jax._src import linear_util as _lu
 from jax._src import pjit as _pjit
 from jax._src import source_info_util as _siu_private
@@ -171,6 +173,16 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "reduce_window_p"),
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
+    ) if p is not None)
+
+# Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
+# `jax.debug.callback` and `jax.debug.print`): Python code that receives its
+# operands as arrays of the dtypes it was traced with.
+CALLBACK_PRIMITIVES = frozenset(
+    p for p in (
+        _optional(_callback, "pure_callback_p"),
+        _optional(_callback, "io_callback_p"),
+        _optional(_debugging, "debug_callback_p"),
     ) if p is not None)
 
 
