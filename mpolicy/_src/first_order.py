@@ -291,6 +291,10 @@ SPECIAL_RULES[jax_compat.gather_p] = _in_wider_source
 def _lower(op: Op) -> list:
   """Matmuls and convolutions in the half compute dtype (or float8)."""
   env, eqn, args = op.env, op.eqn, op.args
+  floats = [dtypes.dtype_of(a) for a in args if dtypes.float_value(a)]
+  if any(map(dtypes.is_double, floats)):
+    # float64 is never narrowed: not to half, not to float8.
+    return _inputs(op, why="lower op on float64: not eligible, runs in float64 as written")
   if op.fp8_dtype is not None and fp8.handles(eqn, args):
     # Quantized from the widest value at hand (a float32 parameter's
     # gradient then comes back in float32; only float8 copies are saved).
@@ -304,12 +308,9 @@ def _lower(op: Op) -> list:
   if op.fp8_dtype is not None and eqn.params.get("out_sharding") is not None:
     fp8_note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
                 "which the float8 matmul does not carry")
-  floats = [dtypes.dtype_of(a) for a in args if dtypes.float_value(a)]
-  if compute is None or not floats or any(map(dtypes.is_double, floats)):
-    return _inputs(op, why=(
-        "lower op, but no half compute dtype governs: runs as written"
-        if compute is None else
-        "lower op on float64: not eligible, runs as written"))
+  if compute is None or not floats:
+    return _inputs(
+        op, why="lower op, but no half compute dtype governs: runs as written")
   op.rule = op_rules_lib.LOWER
   op.why = f"lower ({op.reason}){fp8_note}; policy from {op.decided_by}"
   op.args = args = [env.cast(a, compute) if dtypes.float_value(a) else a
@@ -443,7 +444,8 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
 
   Literals follow the arrays. With a half ``compute`` dtype, parameters and
   inputs wider than it count as ``compute``: they are used in the compute
-  dtype, not the other way round.
+  dtype, not the other way round; float64 ones do not (float64 is never
+  narrowed).
   """
   arrays, followers, actual = [], [], set()
   for var, a in zip(eqn.invars, args):
@@ -453,7 +455,7 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
     actual.add(d)
     weak = (isinstance(var, jax_compat.Literal)
             or getattr(var.aval, "weak_type", False))
-    if (compute is not None and env.is_param(a)
+    if (compute is not None and env.is_param(a) and not dtypes.is_double(d)
         and d.itemsize > np.dtype(compute).itemsize):
       d = np.dtype(compute)
     scalar_const = not dtypes.is_traced(a) and np.ndim(a) == 0
@@ -511,18 +513,28 @@ def _scaled_half(env, eqn, args, half):
   return None
 
 
+# Element-wise primitives that broadcast size-1 dimensions of their
+# operands to the shape of their result.
+_BROADCASTING = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min",
+    "atan2", "nextafter", "select_n", "clamp"})
+
+
 def _widen_params(env, eqn, args, target) -> list:
-  """Parameters about to be cast down to ``target`` that the op would
-  broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast first, in
-  their own dtype: under grad the sum over the broadcast dims then runs in
-  float32 instead of in half."""
-  if len(eqn.outvars) != 1:
+  """Parameters about to be cast down to ``target`` that an element-wise op
+  would broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast
+  first, in their own dtype: under grad the sum over the broadcast dims then
+  runs in float32 instead of in half. Other ops (a matmul, a concatenation)
+  take their operands as they are."""
+  if len(eqn.outvars) != 1 or eqn.primitive.name not in _BROADCASTING:
     return args
   shape = tuple(eqn.outvars[0].aval.shape)
   out = []
   for a in args:
+    a_shape = tuple(np.shape(a))
     if (env.is_param(a) and dtypes.dtype_of(a) != target
-        and np.ndim(a) == len(shape) and tuple(np.shape(a)) != shape):
+        and len(a_shape) == len(shape) and a_shape != shape
+        and all(n in (1, m) for n, m in zip(a_shape, shape))):
       a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
     out.append(a)
   return out
