@@ -196,3 +196,10 @@ def test_transform_amp_policy_casts_are_labelled_apart_from_code_casts():
   assert report.summary().endswith(
       "by module policies, 1 in the code")
   assert ", 4 by module policies," in report.summary()
+
+
+def test_summary_keeps_the_note_of_a_function_not_run_under_amp():
+  plain = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
+  assert "not amp-ed" in plain.note
+  assert plain.summary().endswith(f"in the code ({plain.note})")
+  assert "(" not in explain(amp(_fn, HALF), X, W).summary()
