@@ -62,6 +62,10 @@ from mpolicy._src import regions
 AS_WRITTEN = "as written"
 """The class of every primitive inside `full_precision()`."""
 
+JAX_CAST = "jax cast"
+"""The rule of a cast that JAX made itself (a promotion inside ``jnp.mean``),
+not written in the code: counted neither as the code's nor as the rules'."""
+
 # Primitives whose result is a re-arrangement of (part of) their first
 # input: a parameter or input reshaped, broadcast, transposed or sliced is
 # still a parameter or input (see the environment's ``is_param``).
@@ -218,16 +222,38 @@ def _plain_convert(eqn) -> bool:
           and params.get("sharding", None) is None)
 
 
+# The JAX functions that cast (the function the user's code called, as
+# `jax_compat.called_jax_function` names it): `x.astype`, `jnp.astype`,
+# `jnp.asarray`, `jnp.array`, `jnp.float32(x)`, `lax.convert_element_type`.
+_CAST_FUNCTIONS = frozenset({"astype", "_astype", "asarray", "array",
+                             "convert_element_type", "_ScalarMeta.__call__"})
+
+
+def _written_cast(eqn) -> tuple[bool, str]:
+  """Whether a cast was written in the code (else JAX made it inside the
+  function it names, such as a type promotion in ``jnp.mean``)."""
+  called = jax_compat.called_jax_function(eqn)
+  if called is None:
+    return True, ""
+  name = called[1] or "a function JAX traced itself"
+  return (name in _CAST_FUNCTIONS
+          or name.rsplit(".", 1)[-1] in _CAST_FUNCTIONS - {"__call__"}), name
+
+
 def _convert(op: Op) -> Optional[list]:
   """A cast: made through the environment's cache (at most once)."""
   if not _plain_convert(op.eqn):
     return None
   what = regions.policy_cast_of(op.names)
+  written, inside = _written_cast(op.eqn)
   if what is not None:
     op.rule = "policy cast"
     op.why = f"the module's policy casts its {what}"
-  else:
+  elif written:
     op.rule, op.why = "explicit cast", "convert_element_type in the traced code"
+  else:
+    op.rule = JAX_CAST
+    op.why = f"convert_element_type that JAX made inside {inside}"
   if op.op_class == AS_WRITTEN:
     # As written: the cast alone, as XLA would compile it without `amp`
     # (no rounding made explicit, see `widen`).
@@ -651,7 +677,7 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
   if recording.active() and not quiet:
     # A cast in the traced code (or made for a module's policy) is the
     # code's own, even though the environment makes it: not counted.
-    inserted = (0 if op.rule in ("explicit cast", "policy cast")
+    inserted = (0 if op.rule in ("explicit cast", "policy cast", JAX_CAST)
                 else env.inserted - casts_before)
     recording.record(_decision(op, invals, outs, names, inserted))
   return outs
@@ -672,7 +698,7 @@ def _decision(op: Op, invals, outs, names, casts: int) -> recording.Decision:
   else:
     ran = sorted({dtypes.dtype_of(a).name for a in op.args
                   if dtypes.float_value(a)})
-    if not ran or op.rule in ("explicit cast", "policy cast"):
+    if not ran or op.rule in ("explicit cast", "policy cast", JAX_CAST):
       ran = sorted({dtypes.dtype_of(o).name for o in outs})  # Its result.
   return recording.Decision(
       scope="/".join(regions.plain_scope_names(names)),
