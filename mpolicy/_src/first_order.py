@@ -347,7 +347,9 @@ def _lower(op: Op) -> list:
   out_dtype = compute
   pet = eqn.params.get("preferred_element_type")
   traced_in = eqn.invars[0].aval.dtype
-  if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
+  if pet is not None and np.dtype(pet).itemsize > np.dtype(compute).itemsize and (
+      np.dtype(pet).itemsize > np.dtype(traced_in).itemsize
+      or _explicit_result_dtype(eqn)):
     out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
   if eqn.primitive is jax_compat.dot_general_p:
     # Operands cast down from float32 (a parameter, typically) go in as
@@ -375,6 +377,19 @@ def _lower(op: Op) -> list:
 
 
 CLASS_RULES[op_rules_lib.LOWER] = _lower
+
+
+def _explicit_result_dtype(eqn) -> bool:
+  """Whether the code wrote ``eqn``'s ``preferred_element_type`` itself.
+
+  `jax.numpy`'s matmuls (``@``, ``jnp.dot``, ``jnp.einsum``) set it to
+  their result dtype on their own, `jax.lax`'s do not: it is explicit if
+  the code called a `jax.lax` function, or wrote the keyword in its call.
+  """
+  called = jax_compat.called_jax_function(eqn)
+  if called is not None and "/lax/" in called[0].replace("\\", "/"):
+    return True
+  return "preferred_element_type" in jax_compat.user_source(eqn)
 
 
 # --- full ---------------------------------------------------------------------------
