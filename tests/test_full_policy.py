@@ -77,3 +77,15 @@ def test_safety_net_upcasts_half_inputs_where_half_or_no_policy_governs(
     policy):
   f = mpolicy.amp(hand_cast_exp, policy)
   assert _exp_dtypes(f, X) == ["float32"]
+
+
+def test_full_region_reads_half_values_from_outside_as_the_code_had_them():
+  def fn(x, w):
+    h = x @ w  # bfloat16 under the outer policy.
+    with jax.named_scope("head"):
+      return jnp.exp(h) + jnp.exp(h.astype(BF16)).astype(F32)
+  x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.3)
+  with mpolicy.push_policy("head", "full"):
+    f = mpolicy.amp(fn, "p=f32,c=bf16,o=f32")
+    # The code's float32 value is read in float32, its own bfloat16 stays.
+    assert _exp_dtypes(f, x, w) == ["float32", "bfloat16"]

@@ -474,6 +474,14 @@ def _as_written(op: Op) -> list:
   op.rule = AS_WRITTEN
   if op.region is None or op.region.full_precision:
     op.why = "full_precision()"
+  else:
+    # Values the rules outside made narrower than the code had them (a
+    # half matmul's result entering a `full` region) are read as the code
+    # had them; half values the code made itself stay half.
+    op.args = [_cast_as_traced(op.env, a, v.aval.dtype)
+               if dtypes.float_value(a) and dtypes.is_float(v.aval.dtype)
+               and dtypes.dtype_of(a).itemsize < np.dtype(v.aval.dtype).itemsize
+               else a for a, v in zip(op.args, op.eqn.invars)]
   return _run_at(op, _array_target(op.eqn, op.args))
 
 
