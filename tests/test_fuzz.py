@@ -128,9 +128,14 @@ class _Gen:
     self.rng = random.Random(seed)
     self.higher = higher
     self.depth = depth
-    self.ops = _OPS + sorted(extra_ops)
+    # The extra families leave out `max`: where its operands nearly tie,
+    # half rounding flips which one its gradient goes to, and the error
+    # would be the tie's, not the extra ops'.
+    base = [(op, wt) for op, wt in zip(_OPS, _WEIGHTS)
+            if not (extra_ops and op == "max")]
+    self.ops = [op for op, _ in base] + sorted(extra_ops)
     # Extra ops are drawn as often as matmuls, so they meet their results.
-    self.weights = _WEIGHTS + [3.0] * len(extra_ops)
+    self.weights = [wt for _, wt in base] + [3.0] * len(extra_ops)
 
   def pick(self, bounds: list[float]) -> int:
     # Prefer recent values, so programs are chains more than fans.
@@ -588,8 +593,8 @@ def test_half_policies_are_close_and_finite_long(seed, policy):
 # --- Scatters, window reductions and host callbacks after matmuls ---------------
 
 _MORE_OPS = tuple(sorted(_COMBINER_OPS)) + tuple(_CALLBACK_OPS)
-# Seed 211 hands a bfloat16 matmul result to the host callback.
-_MORE_SHORT = (200, 211)
+# Seed 201 hands a bfloat16 matmul result to the host callback.
+_MORE_SHORT = (200, 201)
 _MORE_LONG = [s for s in range(200, 260) if s not in _MORE_SHORT]
 
 
@@ -633,8 +638,8 @@ def test_more_ops_half_policies_are_close_and_finite_long(seed, policy):
 # --- float64 meeting float32 (x64) ---------------------------------------------
 
 _X64_PROGRAM_OPS = tuple(sorted(_X64_OPS)) + ("scatter_add", "callback")
-# Seed 304 hands a bfloat16 matmul result to the host callback under x64.
-_X64_SHORT = (300, 304)
+# Seed 306 hands a bfloat16 matmul result to the host callback under x64.
+_X64_SHORT = (300, 306)
 _X64_LONG = [s for s in range(300, 360) if s not in _X64_SHORT]
 
 
