@@ -317,7 +317,7 @@ def _first_order(op: str, a, b, extra, raw):
   raise ValueError(op)
 
 
-_SCATTER_ROWS = np.array([0, 2, 2, 1])
+_SCATTER_ROWS = np.array([0, 2, 2, 1], np.int32)  # int32 under x64 too.
 
 
 def _host_tanh(x):
