@@ -12,6 +12,7 @@ as files, `python examples/digits_cnn.py`, from any directory.
 from __future__ import annotations
 
 import math
+import os
 
 from absl import app
 from absl import flags
@@ -45,7 +46,8 @@ flags.DEFINE_bool(
     "Also train a float32 baseline (policy 'full', no loss scale) with the "
     "same seed and batches, and print a table of both runs.")
 flags.DEFINE_string("plot", None,
-                    "Write a PNG of the loss curves and loss scales here.")
+                    "Write a PNG of the loss curves and loss scales here "
+                    "(missing folders are created).")
 
 
 def check_policy_spec(spec: str) -> bool:
@@ -56,6 +58,27 @@ def check_policy_spec(spec: str) -> bool:
     mpolicy.get_policy(spec)
   except (TypeError, ValueError) as e:
     raise flags.ValidationError(str(e)) from e
+  return True
+
+
+def check_plot_path(path: str | None) -> bool:
+  """Flag validator: ``path`` names a file whose folder exists or can be
+  created (checked at start-up, so a bad path does not fail after training).
+  """
+  if not path:
+    return True
+  if os.path.isdir(path):
+    raise flags.ValidationError(
+        f"--plot={path} is a folder; give a file name such as "
+        f"{os.path.join(path, 'losses.png')}")
+  folder = os.path.dirname(os.path.abspath(path))
+  existing = folder
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+    raise flags.ValidationError(
+        f"--plot={path}: cannot write into {folder} ({existing} is not a "
+        f"writable folder); give a path in a folder you can write to")
   return True
 
 
@@ -70,6 +93,7 @@ def define_bn_policy() -> None:
 
 
 flags.register_validator("mp_policy", check_policy_spec)
+flags.register_validator("plot", check_plot_path)
 flags.register_validator(
     "mp_scale_value", lambda v: v > 0 and math.isfinite(v),
     message="--mp_scale_value must be a positive finite number.")

@@ -7,6 +7,7 @@ each step's loss, loss scale and finiteness to a `Log`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -113,6 +114,8 @@ def plot(runs: Sequence[Run], path: str, title: str = "") -> None:
   the top are told apart here); the loss scale, if any run has one; then
   each `Log.extra` series (e.g. the share of underflowed gradients).
   """
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)  # A missing folder is created.
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

@@ -160,6 +160,8 @@ def test_lesson_counts_the_logit_gradients_float16_flushes():
     ("char_transformer", "--attention_policy=c=f17",
      "flag --attention_policy=c=f17:"),
     ("loss_scaling_lesson", "--d_model=10", "--d_model must be a multiple"),
+    ("digits_cnn", "--plot=/dev/null/plots/x.png", "cannot write into"),
+    ("digits_cnn", "--plot=.", "is a folder; give a file name"),
 ])
 def test_bad_flag_fails_at_start_up(tmp_path, example, flag, message):
   rc, out, err = run_example(example, flag, "--steps=1", cwd=tmp_path,
@@ -197,6 +199,8 @@ def test_plot_has_a_panel_per_series_and_a_difference_panel(tmp_path):
   height = lambda name: matplotlib.image.imread(tmp_path / name).shape[0]
   report.plot(runs, str(tmp_path / "two.png"))
   report.plot(runs[:1], str(tmp_path / "one.png"))
+  report.plot(runs[:1], str(tmp_path / "new" / "folder" / "one.png"))
+  assert (tmp_path / "new" / "folder" / "one.png").stat().st_size > 0
   # 2.6 inches at 100 dpi per panel: loss, difference, scale, underflow.
   assert height("two.png") == 4 * 260
   assert height("one.png") == 260  # Just the loss: no scale, no extras.

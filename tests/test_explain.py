@@ -196,3 +196,54 @@ def test_transform_amp_policy_casts_are_labelled_apart_from_code_casts():
   assert report.summary().endswith(
       "by module policies, 1 in the code")
   assert ", 4 by module policies," in report.summary()
+
+
+def test_summary_keeps_the_note_of_a_function_not_run_under_amp():
+  plain = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
+  assert "not amp-ed" in plain.note
+  assert plain.summary().endswith(f"in the code ({plain.note})")
+  assert "(" not in explain(amp(_fn, HALF), X, W).summary()
+
+
+def _transformer_block(x, wq, wk, wv, wo, w1, w2, scale, n_pos):
+  """A pre-norm transformer block; the code writes no cast."""
+  def norm(h):
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.var(h, axis=-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(var + 1e-5) * scale
+  h = norm(x)
+  q, k, v = h @ wq, h @ wk, h @ wv
+  scores = jnp.einsum("td,sd->ts", q, k) / jnp.sqrt(q.shape[-1])
+  mask = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+  scores = jnp.where(mask, scores, -1e9) + jnp.arange(n_pos)[:, None] / n_pos
+  x = x + jax.nn.softmax(scores, axis=-1) @ v @ wo
+  h = jax.nn.gelu(norm(x) @ w1)
+  return jnp.mean(jnp.square(x + h @ w2)) + jnp.std(x)
+
+
+def _block_args():
+  keys = jax.random.split(jax.random.PRNGKey(0), 7)
+  d = 8
+  x = jax.random.normal(keys[0], (6, d))
+  ws = [jax.random.normal(k, (d, d)) / 3 for k in keys[1:5]]
+  w1 = jax.random.normal(keys[5], (d, 4 * d)) / 3
+  w2 = jax.random.normal(keys[6], (4 * d, d)) / 6
+  return (x, *ws, w1, w2, jnp.ones(d))
+
+
+def test_casts_in_the_code_counts_only_casts_the_code_wrote():
+  args = _block_args()
+  for policy in (None, HALF):
+    for fn in (_transformer_block, jax.grad(_transformer_block)):
+      report = explain(amp(fn, policy), *args, 6)
+      jax_casts = [r for r in report.rows if r.rule == "jax cast"]
+      assert report.casts_in_code == 0, [
+          r for r in report.rows if r.rule == "explicit cast"]
+      assert jax_casts and all(r.casts == 0 for r in jax_casts)
+      assert "in the code" not in jax_casts[0].decided_by
+
+  def with_one_cast(x, *rest):
+    return _transformer_block(x.astype(jnp.bfloat16).astype(jnp.float32),
+                              *rest)
+  report = explain(amp(with_one_cast, HALF), *args, 6)
+  assert report.casts_in_code == 2

@@ -18,6 +18,13 @@ and exp is only taken of small values); predicates of `select` and `cond`
 read the raw inputs, so both programs take the same branches. A failing
 case prints its seed and the program, which `_program(seed, ...)` rebuilds.
 
+Two more families draw extra operations: scatters (``.at[].add``,
+``.at[].max``), a window sum, a cumulative sum and a host callback
+(`jax.pure_callback`, which insists on float32 operands), each on a
+matmul's result; and, under x64, float64 constants meeting float32 values
+in matmuls and sums, where no op with a float64 operand may run narrower
+(checked row by row with `explain`).
+
 A short slice runs by default; ``-m slow`` runs the long one.
 """
 
@@ -48,8 +55,22 @@ _FIRST_ORDER = {
     "exp": 1, "logabs1": 1, "tanh": 1, "logistic": 1, "sum": 1, "rmax": 1,
     "reshape": 1, "transpose": 1, "ipow": 1, "scalar": 1, "const": 1,
 }
+# Drawn only where a test asks for them (`_program(..., ops=...)`): scatters
+# and window reductions (whose combiners were traced for float32), a host
+# callback, and float64 constants meeting float32 values (x64 only).
+# The scatters, reductions and the callback take a matmul's result (of
+# their two operands) as their first operand.
+_COMBINER_OPS = {"scatter_add": 2, "scatter_max": 2, "window_sum": 2,
+                 "cumsum": 2}
+_CALLBACK_OPS = {"callback": 2}
+_X64_OPS = {"dot64": 1, "add64": 1}
+_FIRST_ORDER.update(_COMBINER_OPS)
+_FIRST_ORDER.update(_CALLBACK_OPS)
+_FIRST_ORDER.update(_X64_OPS)
+_EXTRA_OPS = frozenset(_COMBINER_OPS) | frozenset(_CALLBACK_OPS) | frozenset(
+    _X64_OPS)
 # Matmuls are what half policies change most: drawn three times as often.
-_OPS = sorted(_FIRST_ORDER)
+_OPS = sorted(set(_FIRST_ORDER) - _EXTRA_OPS)
 _WEIGHTS = [3.0 if op in ("dot", "dot_t", "rowdot") else 1.0 for op in _OPS]
 # "full_precision" is no primitive: a block of the sub-program under
 # `mpolicy.full_precision()` (a no-op in the plain program).
@@ -102,10 +123,19 @@ class Program:
 class _Gen:
   """Draws programs whose values stay within ``_LIMIT``."""
 
-  def __init__(self, seed: int, higher: tuple[str, ...], depth: int):
+  def __init__(self, seed: int, higher: tuple[str, ...], depth: int,
+               extra_ops: tuple[str, ...] = ()):
     self.rng = random.Random(seed)
     self.higher = higher
     self.depth = depth
+    # The extra families leave out `max`: where its operands nearly tie,
+    # half rounding flips which one its gradient goes to, and the error
+    # would be the tie's, not the extra ops'.
+    base = [(op, wt) for op, wt in zip(_OPS, _WEIGHTS)
+            if not (extra_ops and op == "max")]
+    self.ops = [op for op, _ in base] + sorted(extra_ops)
+    # Extra ops are drawn as often as matmuls, so they meet their results.
+    self.weights = [wt for _, wt in base] + [3.0] * len(extra_ops)
 
   def pick(self, bounds: list[float]) -> int:
     # Prefer recent values, so programs are chains more than fans.
@@ -128,7 +158,7 @@ class _Gen:
     if depth < self.depth and self.higher and rng.random() < 0.3:
       return self.higher_step(bounds, depth)
     for _ in range(20):
-      op = rng.choices(_OPS, _WEIGHTS)[0]
+      op = rng.choices(self.ops, self.weights)[0]
       args = tuple(self.pick(bounds) for _ in range(_FIRST_ORDER[op]))
       extra = None
       if op in ("sum", "rmax", "concat"):
@@ -137,7 +167,7 @@ class _Gen:
         extra = rng.choice((2, 3))
       elif op == "scalar":
         extra = rng.choice((0.5, 2.0, -1.5, 3))
-      elif op == "const":
+      elif op in ("const", "dot64", "add64"):
         extra = rng.randrange(1000)
       elif op == "select":
         extra = (rng.randrange(2), rng.choice((0.0, 0.5, -0.3)))
@@ -186,17 +216,29 @@ def _bound(op: str, b: list[float], extra) -> float:
     return float(np.log1p(b[0]))
   if op in ("tanh", "logistic"):
     return 1.0
-  if op == "const":
+  if op in ("const", "add64"):
     return b[0] + 1.0
+  if op in _COMBINER_OPS or op in _CALLBACK_OPS:
+    m = b[0] * b[1]  # Their matmul.
+    if op == "scatter_add":
+      return m + 2 * b[1]  # Row 2 receives two rows.
+    if op == "scatter_max":
+      return max(m, b[1])
+    if op == "callback":
+      return m * 0.5 + 1.0
+    return m  # window_sum and cumsum are scaled.
   if op == "ipow":
     return b[0] ** extra
   if op == "scalar":
     return b[0] if extra == 3 else b[0] * abs(extra)  # a + 3 - 3, or a * c.
-  return b[0]  # div, sum (a mean), rmax, reshape, transpose.
+  # div, sum (a mean), rmax, reshape, transpose, dot64 (a 4-term
+  # contraction with entries in [-1, 1], scaled).
+  return b[0]
 
 
-def _program(seed: int, *, higher=_HIGHER_ORDER, depth: int = 2) -> Program:
-  gen = _Gen(seed, tuple(higher), depth)
+def _program(seed: int, *, higher=_HIGHER_ORDER, depth: int = 2,
+             ops: tuple[str, ...] = ()) -> Program:
+  gen = _Gen(seed, tuple(higher), depth, tuple(ops))
   n_steps = gen.rng.randint(3, 8)
   program, _ = gen.program([3.0, 3.0], n_steps, 0)
   return program
@@ -252,10 +294,47 @@ def _first_order(op: str, a, b, extra, raw):
     return lax.integer_pow(a, extra)
   if op == "scalar":
     return a * extra if extra != 3 else a + extra - 3
+  if op in _COMBINER_OPS or op in _CALLBACK_OPS:
+    m = lax.dot_general(a, b, (([1], [0]), ([], [])), precision=HI) * 0.25
+    if op == "scatter_add":  # A message pass: rows added into rows.
+      return m.at[_SCATTER_ROWS].add(b)
+    if op == "scatter_max":
+      return m.at[_SCATTER_ROWS].max(b)
+    if op == "window_sum":  # A 2x2 sum pool, scaled.
+      return lax.reduce_window(m, 0.0, lax.add, (2, 2), (1, 1), "SAME") * 0.25
+    if op == "cumsum":
+      return jnp.cumsum(m, axis=0) * 0.25
+    return _callback_tanh(m)
+  if op == "dot64":  # float32 @ a closed-over float64 constant.
+    w64 = np.random.default_rng(extra).uniform(-1, 1, _SHAPE)
+    return (jnp.matmul(a, w64, precision=HI) * 0.25).astype(jnp.float32)
+  if op == "add64":
+    c64 = np.random.default_rng(extra).uniform(-1, 1, _SHAPE)
+    return (a + c64).astype(jnp.float32)
   if op == "const":  # A closed-over float32 numpy constant.
     return a + np.random.default_rng(extra).uniform(-1, 1, _SHAPE).astype(
         np.float32)
   raise ValueError(op)
+
+
+_SCATTER_ROWS = np.array([0, 2, 2, 1], np.int32)  # int32 under x64 too.
+
+
+def _host_tanh(x):
+  """A host callback's body; it insists on the dtype the code was traced
+  with."""
+  x = np.asarray(x)
+  if x.dtype != np.float32:
+    raise TypeError(f"the host callback received {x.dtype}, not float32")
+  return np.tanh(x)
+
+
+def _callback_tanh(a):
+  """``a / 2`` plus a host ``tanh(a)`` (a constant to differentiation: a
+  pure callback has no derivative)."""
+  y = jax.pure_callback(_host_tanh, jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        jax.lax.stop_gradient(a), vmap_method="sequential")
+  return a * 0.5 + y
 
 
 def _run(program: Program, vals: list, raw) -> Any:
@@ -354,13 +433,14 @@ def _loss(fn, r):
 _FORWARD_ONLY = ("jit", "vmap", "jvp", "jacfwd")
 
 
-def _programs(seed: int) -> dict[str, Program]:
+def _programs(seed: int, ops: tuple[str, ...] = ()) -> dict[str, Program]:
   """The seed's programs. Reverse mode cannot enter a while_loop and forward
   mode cannot enter a custom_vjp: each mode gets one it can differentiate."""
   return {
-      "rev": _program(seed, higher=[h for h in _HIGHER_ORDER if h != "while"]),
+      "rev": _program(seed, higher=[h for h in _HIGHER_ORDER if h != "while"],
+                      ops=ops),
       "fwd": _program(seed, higher=[h for h in _HIGHER_ORDER
-                                    if h != "custom_vjp"]),
+                                    if h != "custom_vjp"], ops=ops),
   }
 
 
@@ -381,9 +461,9 @@ def _runner(mode: str, seed: int):
   }[mode]
 
 
-def check_full_is_bitwise(seed: int) -> None:
+def check_full_is_bitwise(seed: int, ops: tuple[str, ...] = ()) -> None:
   """`amp(f, "full")` is bitwise ``f`` under jit, grad and jvp."""
-  programs = _programs(seed)
+  programs = _programs(seed, ops)
   for mode in ("jit", "grad", "jvp"):
     program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
     f = _as_fn(program)
@@ -404,10 +484,11 @@ _POLICIES = {"bf16": "p=f32,c=bf16,o=f32", "f16": "p=f32,c=f16,o=f32"}
 _MODES = ("jit", "grad", "vmap", "jvp", "jacfwd")
 
 
-def half_errors(seed: int, policy: str) -> dict[str, float]:
+def half_errors(seed: int, policy: str,
+                ops: tuple[str, ...] = ()) -> dict[str, float]:
   """Normalised errors of `amp(f, policy)` vs ``f`` per mode; raises on
   NaN or inf where ``f`` is finite, or on a dtype or shape change."""
-  programs = _programs(seed)
+  programs = _programs(seed, ops)
   errors = {}
   for mode in _MODES:
     program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
@@ -427,8 +508,9 @@ def half_errors(seed: int, policy: str) -> dict[str, float]:
   return errors, programs
 
 
-def check_half_is_close(seed: int, policy: str) -> None:
-  errors, programs = half_errors(seed, policy)
+def check_half_is_close(seed: int, policy: str,
+                        ops: tuple[str, ...] = ()) -> None:
+  errors, programs = half_errors(seed, policy, ops)
   for mode, err in errors.items():
     program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
     assert err <= _TOLERANCE[policy], _describe(
@@ -454,12 +536,12 @@ _SHORT = range(2)
 _LONG = range(2, 150)
 
 
-def _uses_scan(seed: int) -> bool:
+def _uses_scan(seed: int, ops: tuple[str, ...] = ()) -> bool:
   """Whether one of the seed's programs has a scan or a static fori_loop."""
   def walk(program):
     return any(step.op in ("scan", "fori") or any(walk(p) for p in step.subs)
                for step in program.steps)
-  return any(walk(p) for p in _programs(seed).values())
+  return any(walk(p) for p in _programs(seed, ops).values())
 
 
 # Programs with scan or fori_loop hit a known interpreter bug on JAX 0.11
@@ -472,11 +554,11 @@ _SCAN_BUG = pytest.mark.xfail(
     "higher_order._scan (scan params changed in JAX 0.11)")
 
 
-def _seeds(seeds, *, slow: bool = False) -> list:
+def _seeds(seeds, *, slow: bool = False, ops: tuple[str, ...] = ()) -> list:
   marks = [pytest.mark.slow] if slow else []
   scan_ok = _scan_is_entered()
   return [pytest.param(seed, marks=marks + (
-      [] if scan_ok or not _uses_scan(seed) else [_SCAN_BUG]))
+      [] if scan_ok or not _uses_scan(seed, ops) else [_SCAN_BUG]))
           for seed in seeds]
 
 
@@ -506,3 +588,101 @@ def test_full_policy_is_bitwise_plain_long(seed):
 @pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
 def test_half_policies_are_close_and_finite_long(seed, policy):
   check_half_is_close(seed, policy)
+
+
+# --- Scatters, window reductions and host callbacks after matmuls ---------------
+
+_MORE_OPS = tuple(sorted(_COMBINER_OPS)) + tuple(_CALLBACK_OPS)
+# Seed 201 hands a bfloat16 matmul result to the host callback.
+_MORE_SHORT = (200, 201)
+_MORE_LONG = [s for s in range(200, 260) if s not in _MORE_SHORT]
+
+
+def test_more_ops_programs_have_scatters_and_callbacks_after_matmuls():
+  def walk(program):
+    for step in program.steps:
+      yield step.op
+      for sub in step.subs:
+        yield from walk(sub)
+  assert set(_MORE_OPS) <= {op for seed in range(200, 210)
+                            for p in _programs(seed, _MORE_OPS).values()
+                            for op in walk(p)}
+  m = jnp.ones((4, 4))
+  jaxpr = str(jax.make_jaxpr(
+      lambda a, b: _first_order("scatter_add", a, b, None, (a, b)))(m, m))
+  assert jaxpr.index("dot_general") < jaxpr.index("scatter-add")
+
+
+@pytest.mark.parametrize("seed", _seeds(_MORE_SHORT, ops=_MORE_OPS))
+def test_more_ops_full_policy_is_bitwise_plain(seed):
+  check_full_is_bitwise(seed, _MORE_OPS)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_MORE_SHORT, ops=_MORE_OPS))
+def test_more_ops_half_policies_are_close_and_finite(seed, policy):
+  check_half_is_close(seed, policy, _MORE_OPS)
+
+
+@pytest.mark.parametrize("seed", _seeds(_MORE_LONG, slow=True, ops=_MORE_OPS))
+def test_more_ops_full_policy_is_bitwise_plain_long(seed):
+  check_full_is_bitwise(seed, _MORE_OPS)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_MORE_LONG, slow=True, ops=_MORE_OPS))
+def test_more_ops_half_policies_are_close_and_finite_long(seed, policy):
+  check_half_is_close(seed, policy, _MORE_OPS)
+
+
+# --- float64 meeting float32 (x64) ---------------------------------------------
+
+_X64_PROGRAM_OPS = tuple(sorted(_X64_OPS)) + ("scatter_add", "callback")
+# Seed 306 hands a bfloat16 matmul result to the host callback under x64.
+_X64_SHORT = (300, 306)
+_X64_LONG = [s for s in range(300, 360) if s not in _X64_SHORT]
+
+
+def check_x64_mix(seed: int) -> None:
+  """Under x64, float64 values are never narrowed: every op with a float64
+  operand runs in float64 (`explain`), and the result stays close."""
+  with jax.enable_x64(True):
+    program = _programs(seed, _X64_PROGRAM_OPS)["rev"]
+    f = _as_fn(program)
+    x, w = (a.astype(jnp.float32) for a in _inputs(seed))
+    r = jax.random.normal(jax.random.PRNGKey(seed + 1), _SHAPE, jnp.float32)
+    for policy in ("bf16",):
+      amped = mpolicy.amp(f, _POLICIES[policy])
+      for row in mpolicy.explain(amped, x, w).rows:
+        if "float64" in row.in_dtypes and "cast" not in row.rule:
+          assert "float64" in row.ran_in, _describe(
+              seed, program, f"{row.primitive} on {row.in_dtypes} ran in "
+              f"{row.ran_in}")
+      got, want = jax.jit(amped)(x, w), jax.jit(f)(x, w)
+      assert got.dtype == want.dtype == jnp.float32
+      assert _err(got, want) <= _TOLERANCE[policy], _describe(
+          seed, program, f"x64 {policy}: error {_err(got, want):.4f}")
+      grad = lambda fn: jax.jit(jax.grad(_loss(fn, r), argnums=(0, 1)))(x, w)
+      for a, b in zip(grad(amped), grad(f)):
+        assert a.dtype == b.dtype == jnp.float32
+        assert np.all(np.isfinite(a)) and _err(a, b) <= _TOLERANCE[policy], (
+            _describe(seed, program, f"x64 {policy} grad: error "
+                      f"{_err(a, b):.4f}"))
+      assert same_bits(jax.jit(mpolicy.amp(f, "full"))(x, w), want)
+
+
+def test_x64_programs_mix_float64_into_matmuls():
+  ops = {s.op for seed in range(20)
+         for s in _program(seed, ops=_X64_PROGRAM_OPS).steps}
+  assert {"dot64", "add64"} <= ops
+
+
+@pytest.mark.parametrize("seed", _seeds(_X64_SHORT, ops=_X64_PROGRAM_OPS))
+def test_x64_mix_is_not_narrowed(seed):
+  check_x64_mix(seed)
+
+
+@pytest.mark.parametrize("seed", _seeds(_X64_LONG, slow=True,
+                                        ops=_X64_PROGRAM_OPS))
+def test_x64_mix_is_not_narrowed_long(seed):
+  check_x64_mix(seed)

@@ -76,3 +76,24 @@ def test_names_and_table_is_immutable():
   with pytest.raises(ValueError):
     DEFAULT_RULES.names("half")
   assert OpRules().class_of("exp") is None
+
+
+def _exp_in_bf16(policy, x, **params):
+  del policy, params
+  return jax.lax.exp(x.astype("bfloat16"))
+
+
+def test_op_rules_deep_copy_and_pickle_round_trip():
+  import copy
+  import pickle
+  from mpolicy._src.op_rules import DEFAULT_RULES
+  rules = DEFAULT_RULES.with_ops(full="dot_general").with_rule(
+      "tanh", _exp_in_bf16)
+  for again in (copy.deepcopy(rules), copy.copy(rules),
+                pickle.loads(pickle.dumps(rules))):
+    assert again == rules and hash(again) == hash(rules)
+    assert again.class_of("dot_general") == "full"
+    assert again.rule_of("tanh") is _exp_in_bf16
+    with pytest.raises(TypeError):
+      again._table["exp"] = ("lower", "")  # Still immutable.
+  assert pickle.loads(pickle.dumps(DEFAULT_RULES)) == DEFAULT_RULES

@@ -86,7 +86,8 @@ class Report:
     (`ops_per_dtype`, most first; casts are ops too), then the casts the
     interpreter inserted for its op rules (`casts_inserted`), those made
     for module policies (`casts_by_policies`) and those written in the code
-    (`casts_in_code`).
+    (`casts_in_code`). A report with a `note` (a function that was not
+    run under `amp`) ends the line with the note in parentheses.
     The same numbers are ``to_dict()["totals"]``.
 
     >>> import jax.numpy as jnp
@@ -94,14 +95,17 @@ class Report:
     >>> f = mpolicy.amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
     >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
     '2 ops: 1 bfloat16, 1 float32; casts: 2 by op rules, 0 by module policies, 0 in the code'
+    >>> explain(jnp.exp, jnp.ones(3)).summary()
+    '1 op: 1 float32; casts: 0 by op rules, 0 by module policies, 0 in the code (the function was not amp-ed: explained as amp(fn) without a policy)'
     """
     totals = self._totals()
     per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
     ops = f"{totals['ops']} op{'' if totals['ops'] == 1 else 's'}"
-    return (f"{ops}{': ' + per if per else ''}; "
+    line = (f"{ops}{': ' + per if per else ''}; "
             f"casts: {totals['casts_inserted']} by op rules, "
             f"{totals['casts_by_policies']} by module policies, "
             f"{totals['casts_in_code']} in the code")
+    return f"{line} ({self.note})" if self.note else line
 
   def _totals(self) -> dict[str, Any]:
     return {"ops": len(self.rows),
@@ -137,9 +141,7 @@ class Report:
 
     out = [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 10,))]
     out += [fmt(l) for l in lines]
-    if self.note:
-      out.append(self.note)
-    out.append(self.summary())
+    out.append(self.summary())  # With the note, if any.
     return "\n".join(out)
 
 
@@ -164,8 +166,8 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
     _trace(fn, args, kwargs)
     ran = recording.interpreter_ran()
   if not ran:
-    note = ("note: the function was not amp-ed; explained as amp(fn) "
-            "without a policy")
+    note = ("the function was not amp-ed: explained as amp(fn) without a "
+            "policy")
     with recording.recording() as rows:
       _trace(amp_lib.amp(fn), args, kwargs)
   return Report(rows=tuple(rows), note=note)

@@ -8,7 +8,9 @@
    returning ``None``; the class rule then runs.
 3. `CLASS_RULES`, by the class the `OpRules` table gives the primitive:
    ``lower``, ``full``, ``promote``, ``None`` for primitives it does not
-   list, and `AS_WRITTEN` inside `full_precision()`.
+   list, and `AS_WRITTEN` inside `full_precision()` and where a policy
+   that computes in float32 or wider (``full``) governs: there no class
+   or special rule applies, and the code runs exactly as written.
 
 A rule takes an `Op` (the equation, its arguments and what governs it),
 returns the outputs, and notes on the `Op` what it decided, which becomes a
@@ -21,8 +23,8 @@ What each class means:
   policy governs or an input is float64. Under a float8 policy (``c=f8``)
   matmuls and convolutions run in `fp8`, and every other op as under
   ``c=bf16``.
-* ``full`` (exp, log, sums, ...): half inputs cast to float32, governed or
-  not; the result stays float32, as with autocast. Under a bfloat16 policy
+* ``full`` (exp, log, sums, ...): half inputs cast to float32 where a half
+  policy governs or none does; the result stays float32, as with autocast. Under a bfloat16 policy
   (bfloat16 has float32's range) an element-wise ``full`` op on a bfloat16
   value computes in float32 and stores its result, and the derivative the
   backward pass keeps, in bfloat16, unless only float32 readers use it.
@@ -59,6 +61,10 @@ from mpolicy._src import regions
 
 AS_WRITTEN = "as written"
 """The class of every primitive inside `full_precision()`."""
+
+JAX_CAST = "jax cast"
+"""The rule of a cast that JAX made itself (a promotion inside ``jnp.mean``),
+not written in the code: counted neither as the code's nor as the rules'."""
 
 # Primitives whose result is a re-arrangement of (part of) their first
 # input: a parameter or input reshaped, broadcast, transposed or sliced is
@@ -216,16 +222,42 @@ def _plain_convert(eqn) -> bool:
           and params.get("sharding", None) is None)
 
 
+# The JAX functions that cast (the function the user's code called, as
+# `jax_compat.called_jax_function` names it): `x.astype`, `jnp.astype`,
+# `jnp.asarray`, `jnp.array`, `jnp.float32(x)`, `lax.convert_element_type`.
+_CAST_FUNCTIONS = frozenset({"astype", "_astype", "asarray", "array",
+                             "convert_element_type", "_ScalarMeta.__call__"})
+
+
+def _written_cast(eqn) -> tuple[bool, str]:
+  """Whether a cast was written in the code (else JAX made it inside the
+  function it names, such as a type promotion in ``jnp.mean``)."""
+  called = jax_compat.called_jax_function(eqn)
+  if called is None:
+    return True, ""
+  name = called[1] or "a function JAX traced itself"
+  return (name in _CAST_FUNCTIONS
+          or name.rsplit(".", 1)[-1] in _CAST_FUNCTIONS - {"__call__"}), name
+
+
 def _convert(op: Op) -> Optional[list]:
   """A cast: made through the environment's cache (at most once)."""
   if not _plain_convert(op.eqn):
     return None
   what = regions.policy_cast_of(op.names)
+  written, inside = _written_cast(op.eqn)
   if what is not None:
     op.rule = "policy cast"
     op.why = f"the module's policy casts its {what}"
-  else:
+  elif written:
     op.rule, op.why = "explicit cast", "convert_element_type in the traced code"
+  else:
+    op.rule = JAX_CAST
+    op.why = f"convert_element_type that JAX made inside {inside}"
+  if op.op_class == AS_WRITTEN:
+    # As written: the cast alone, as XLA would compile it without `amp`
+    # (no rounding made explicit, see `widen`).
+    return bind(op.eqn, op.args)
   return [op.env.cast(op.args[0], op.eqn.params["new_dtype"])]
 
 
@@ -240,6 +272,19 @@ def _reinterpret(op: Op) -> list:
 
 
 SPECIAL_RULES[jax_compat.bitcast_convert_type_p] = _reinterpret
+
+
+def _callback(op: Op) -> list:
+  """A host callback is code as written: its operands arrive in the dtypes
+  the traced code had (its results are declared in them too)."""
+  op.rule, op.why = AS_WRITTEN, "host callback: operands in their traced dtypes"
+  op.args = [_cast_as_traced(op.env, a, v.aval.dtype)
+             for a, v in zip(op.args, op.eqn.invars)]
+  return bind(op.eqn, op.args)
+
+
+for _p in jax_compat.CALLBACK_PRIMITIVES:
+  SPECIAL_RULES[_p] = _callback
 
 
 def _in_wider_source(op: Op) -> Optional[list]:
@@ -272,6 +317,10 @@ SPECIAL_RULES[jax_compat.gather_p] = _in_wider_source
 def _lower(op: Op) -> list:
   """Matmuls and convolutions in the half compute dtype (or float8)."""
   env, eqn, args = op.env, op.eqn, op.args
+  floats = [dtypes.dtype_of(a) for a in args if dtypes.float_value(a)]
+  if any(map(dtypes.is_double, floats)):
+    # float64 is never narrowed: not to half, not to float8.
+    return _inputs(op, why="lower op on float64: not eligible, runs in float64 as written")
   if op.fp8_dtype is not None and fp8.handles(eqn, args):
     # Quantized from the widest value at hand (a float32 parameter's
     # gradient then comes back in float32; only float8 copies are saved).
@@ -285,12 +334,9 @@ def _lower(op: Op) -> list:
   if op.fp8_dtype is not None and eqn.params.get("out_sharding") is not None:
     fp8_note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
                 "which the float8 matmul does not carry")
-  floats = [dtypes.dtype_of(a) for a in args if dtypes.float_value(a)]
-  if compute is None or not floats or any(map(dtypes.is_double, floats)):
-    return _inputs(op, why=(
-        "lower op, but no half compute dtype governs: runs as written"
-        if compute is None else
-        "lower op on float64: not eligible, runs as written"))
+  if compute is None or not floats:
+    return _inputs(
+        op, why="lower op, but no half compute dtype governs: runs as written")
   op.rule = op_rules_lib.LOWER
   op.why = f"lower ({op.reason}){fp8_note}; policy from {op.decided_by}"
   op.args = args = [env.cast(a, compute) if dtypes.float_value(a) else a
@@ -301,7 +347,9 @@ def _lower(op: Op) -> list:
   out_dtype = compute
   pet = eqn.params.get("preferred_element_type")
   traced_in = eqn.invars[0].aval.dtype
-  if pet is not None and np.dtype(pet).itemsize > np.dtype(traced_in).itemsize:
+  if pet is not None and np.dtype(pet).itemsize > np.dtype(compute).itemsize and (
+      np.dtype(pet).itemsize > np.dtype(traced_in).itemsize
+      or _explicit_result_dtype(eqn)):
     out_dtype = np.dtype(pet)  # The user asked for a wider result: keep it.
   if eqn.primitive is jax_compat.dot_general_p:
     # Operands cast down from float32 (a parameter, typically) go in as
@@ -329,6 +377,19 @@ def _lower(op: Op) -> list:
 
 
 CLASS_RULES[op_rules_lib.LOWER] = _lower
+
+
+def _explicit_result_dtype(eqn) -> bool:
+  """Whether the code wrote ``eqn``'s ``preferred_element_type`` itself.
+
+  `jax.numpy`'s matmuls (``@``, ``jnp.dot``, ``jnp.einsum``) set it to
+  their result dtype on their own, `jax.lax`'s do not: it is explicit if
+  the code called a `jax.lax` function, or wrote the keyword in its call.
+  """
+  called = jax_compat.called_jax_function(eqn)
+  if called is not None and "/lax/" in called[0].replace("\\", "/"):
+    return True
+  return "preferred_element_type" in jax_compat.user_source(eqn)
 
 
 # --- full ---------------------------------------------------------------------------
@@ -407,8 +468,20 @@ CLASS_RULES[None] = _inputs
 
 
 def _as_written(op: Op) -> list:
-  """Inside `full_precision()`: disagreeing inputs meet at the widest."""
-  op.rule, op.why = AS_WRITTEN, "full_precision()"
+  """Inside `full_precision()`, or where a policy that computes in float32
+  (or wider) governs: no op rule applies, the ``full`` class's up-cast of
+  half inputs included. Disagreeing inputs meet at the widest."""
+  op.rule = AS_WRITTEN
+  if op.region is None or op.region.full_precision:
+    op.why = "full_precision()"
+  else:
+    # Values the rules outside made narrower than the code had them (a
+    # half matmul's result entering a `full` region) are read as the code
+    # had them; half values the code made itself stay half.
+    op.args = [_cast_as_traced(op.env, a, v.aval.dtype)
+               if dtypes.float_value(a) and dtypes.is_float(v.aval.dtype)
+               and dtypes.dtype_of(a).itemsize < np.dtype(v.aval.dtype).itemsize
+               else a for a, v in zip(op.args, op.eqn.invars)]
   return _run_at(op, _array_target(op.eqn, op.args))
 
 
@@ -420,7 +493,8 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
 
   Literals follow the arrays. With a half ``compute`` dtype, parameters and
   inputs wider than it count as ``compute``: they are used in the compute
-  dtype, not the other way round.
+  dtype, not the other way round; float64 ones do not (float64 is never
+  narrowed).
   """
   arrays, followers, actual = [], [], set()
   for var, a in zip(eqn.invars, args):
@@ -430,7 +504,7 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
     actual.add(d)
     weak = (isinstance(var, jax_compat.Literal)
             or getattr(var.aval, "weak_type", False))
-    if (compute is not None and env.is_param(a)
+    if (compute is not None and env.is_param(a) and not dtypes.is_double(d)
         and d.itemsize > np.dtype(compute).itemsize):
       d = np.dtype(compute)
     scalar_const = not dtypes.is_traced(a) and np.ndim(a) == 0
@@ -488,18 +562,28 @@ def _scaled_half(env, eqn, args, half):
   return None
 
 
+# Element-wise primitives that broadcast size-1 dimensions of their
+# operands to the shape of their result.
+_BROADCASTING = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min",
+    "atan2", "nextafter", "select_n", "clamp"})
+
+
 def _widen_params(env, eqn, args, target) -> list:
-  """Parameters about to be cast down to ``target`` that the op would
-  broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast first, in
-  their own dtype: under grad the sum over the broadcast dims then runs in
-  float32 instead of in half."""
-  if len(eqn.outvars) != 1:
+  """Parameters about to be cast down to ``target`` that an element-wise op
+  would broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast
+  first, in their own dtype: under grad the sum over the broadcast dims then
+  runs in float32 instead of in half. Other ops (a matmul, a concatenation)
+  take their operands as they are."""
+  if len(eqn.outvars) != 1 or eqn.primitive.name not in _BROADCASTING:
     return args
   shape = tuple(eqn.outvars[0].aval.shape)
   out = []
   for a in args:
+    a_shape = tuple(np.shape(a))
     if (env.is_param(a) and dtypes.dtype_of(a) != target
-        and np.ndim(a) == len(shape) and tuple(np.shape(a)) != shape):
+        and len(a_shape) == len(shape) and a_shape != shape
+        and all(n in (1, m) for n, m in zip(a_shape, shape))):
       a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
     out.append(a)
   return out
@@ -581,11 +665,16 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
     The output values.
   """
   casts_before = env.inserted
-  as_written = region is not None and region.full_precision
+  wide = region is not None and _wide_policy(region.policy)
+  as_written = region is not None and (region.full_precision or wide)
   policy = None if region is None or as_written else region.policy
   op = Op(eqn=eqn, env=env, rules=rules, region=region, args=list(invals),
           names=names, op_class=AS_WRITTEN if as_written else rules.class_of(
               eqn.primitive.name))
+  if wide:
+    op.why = (f"policy {region.policy} from {region.decided_by} computes in "
+              f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
+              "applies, runs as written")
   if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
     # Matmuls and convolutions go to `fp8`; everything else runs as under
     # the policy's elementwise (bfloat16) compute dtype.
@@ -595,7 +684,8 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
                                policy.output_dtype)
   op.policy = policy
 
-  custom = None if as_written else rules.rule_of(eqn.primitive.name)
+  custom = (None if region is not None and region.full_precision
+            else rules.rule_of(eqn.primitive.name))
   if custom is not None:
     outs = _custom(op, custom)
   else:
@@ -610,10 +700,19 @@ def run(env, eqn, invals, rules: op_rules_lib.OpRules,
   if recording.active() and not quiet:
     # A cast in the traced code (or made for a module's policy) is the
     # code's own, even though the environment makes it: not counted.
-    inserted = (0 if op.rule in ("explicit cast", "policy cast")
+    inserted = (0 if op.rule in ("explicit cast", "policy cast", JAX_CAST)
                 else env.inserted - casts_before)
     recording.record(_decision(op, invals, outs, names, inserted))
   return outs
+
+
+def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:
+  """Whether ``policy`` computes in float32 or wider (``full``, say): where
+  it governs, the code runs as written."""
+  if policy is None:
+    return False
+  compute = np.dtype(policy.compute_dtype)
+  return not dtypes.is_half(compute) and not policy_lib.is_fp8(compute)
 
 
 def _decision(op: Op, invals, outs, names, casts: int) -> recording.Decision:
@@ -622,7 +721,7 @@ def _decision(op: Op, invals, outs, names, casts: int) -> recording.Decision:
   else:
     ran = sorted({dtypes.dtype_of(a).name for a in op.args
                   if dtypes.float_value(a)})
-    if not ran or op.rule in ("explicit cast", "policy cast"):
+    if not ran or op.rule in ("explicit cast", "policy cast", JAX_CAST):
       ran = sorted({dtypes.dtype_of(o).name for o in outs})  # Its result.
   return recording.Decision(
       scope="/".join(regions.plain_scope_names(names)),

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import linecache
 import sys
+from typing import Optional
 
 import jax
 from jax.extend import core as jex_core
@@ -23,9 +25,11 @@ from jax.extend import source_info_util as _siu
 
 # The rest is private JAX. Each import is used by the helpers below.
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import callback as _callback
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import debugging as _debugging
 from jax._src import linear_util as _lu
 from jax._src import pjit as _pjit
 from jax._src import source_info_util as _siu_private
@@ -88,6 +92,50 @@ def eqn_context_under(base_stack, eqn) -> Iterator[None]:
   with _siu.user_context(eqn.source_info.traceback,
                          name_stack=base_stack + eqn.source_info.name_stack):
     yield
+
+
+# --- Where an equation was written -------------------------------------------
+
+# JAX frames that only forward a call (a traced array's methods, jit's
+# dispatch): the JAX function the user's code called lies further in.
+_FORWARDERS = ("<locals>.meth", "<locals>.op", "reraise_with_filtered_traceback",
+               "cache_miss", "_run_python_pjit", "_cpp_pjit")
+
+
+def called_jax_function(eqn) -> Optional[tuple[str, str]]:
+  """The JAX function the user's code called to make ``eqn``.
+
+  From the equation's traceback: the JAX-internal frame next to the
+  innermost frame outside JAX (forwarding frames skipped).
+
+  Returns:
+    ``(file name, function name)`` of that frame; ``("", "")`` when no
+    frame of the traceback lies outside JAX (JAX made ``eqn`` on its own,
+    inside a function it traced itself); ``None`` when the traceback is
+    unknown or ``eqn`` was made by code outside JAX directly.
+  """
+  traceback = getattr(eqn.source_info, "traceback", None)
+  if traceback is None:
+    return None
+  frames = list(traceback.frames)  # Innermost first.
+  i = next((i for i, frame in enumerate(frames)
+            if _siu_private.is_user_filename(frame.file_name)), None)
+  if i is None:
+    return "", ""
+  for frame in reversed(frames[:i]):
+    if not any(f in frame.function_name for f in _FORWARDERS):
+      return frame.file_name, frame.function_name
+  return None
+
+
+def user_source(eqn) -> str:
+  """The source text of the user's call that made ``eqn`` ('' if unknown)."""
+  user = _siu_private.user_frame(getattr(eqn.source_info, "traceback", None))
+  if user is None:
+    return ""
+  last = max(user.start_line, getattr(user, "end_line", user.start_line))
+  return "".join(linecache.getline(user.file_name, n)
+                 for n in range(user.start_line, last + 1))
 
 
 # --- Jaxpr types ------------------------------------------------------------
@@ -171,6 +219,16 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "reduce_window_p"),
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
+    ) if p is not None)
+
+# Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
+# `jax.debug.callback` and `jax.debug.print`): Python code that receives its
+# operands as arrays of the dtypes it was traced with.
+CALLBACK_PRIMITIVES = frozenset(
+    p for p in (
+        _optional(_callback, "pure_callback_p"),
+        _optional(_callback, "io_callback_p"),
+        _optional(_debugging, "debug_callback_p"),
     ) if p is not None)
 
 

@@ -232,7 +232,12 @@ class OpRules:
   True
 
   A primitive has at most one entry: a class (`with_ops`) or a custom rule
-  function (`with_rule`); the later call wins.
+  function (`with_rule`); the later call wins. Tables can be copied, deep
+  copied and pickled:
+
+  >>> import copy, pickle
+  >>> pickle.loads(pickle.dumps(rules)) == rules == copy.deepcopy(rules)
+  True
 
   See also: `DEFAULT_RULES`, `amp`, `explain` (which shows `reason_of`).
   """
@@ -418,6 +423,12 @@ class OpRules:
     _check_known(names, "OpRules.without_ops", self._known(), strict)
     return OpRules({n: e for n, e in self._table.items() if n not in names},
                    {n: f for n, f in self._rules.items() if n not in names})
+
+  def __reduce__(self):
+    # Rebuilt from plain dicts: `copy.deepcopy` and `pickle` work (custom
+    # rule functions must be picklable themselves, as module-level
+    # functions are).
+    return (OpRules, (dict(self._table), dict(self._rules)))
 
   def __iter__(self) -> Iterator[str]:
     return iter(sorted(self._known()))

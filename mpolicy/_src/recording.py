@@ -35,7 +35,8 @@ class Decision:
       floating input: its output dtype).
     rule: ``"lower"``, ``"full"``, ``"promote"``, ``"inputs"``,
       ``"policy cast"`` (a cast the Haiku bridge made for a module's policy),
-      ``"explicit cast"`` (one written in the code), ``"as written"`` or
+      ``"explicit cast"`` (one written in the code), ``"jax cast"`` (one
+      JAX made inside a function the code called), ``"as written"`` or
       ``"custom"`` (a function given by `OpRules.with_rule`, named in
       ``decided_by``).
     decided_by: the rule's reason and the registry entry or policy in force.
