@@ -22,23 +22,15 @@ from typing import Optional, Union
 
 import haiku as hk
 
+from mpolicy._src import class_lookup
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
 
 
 def _class_entry(cls: type, table: dict) -> Optional[type]:
-  """The nearest class in ``cls``'s MRO with an entry in ``table``.
-
-  The walk stops at ``hk.Module``: its entry is the default (rule 4), which
-  an enclosing call's policy outranks, so it is never a class entry.
-  """
-  for base in cls.__mro__:
-    if base is hk.Module:
-      return None
-    if registry.lookup(table, base) is not None:
-      return base
-  return None
+  """The nearest class in ``cls``'s MRO with an entry, ``hk.Module`` not."""
+  return class_lookup.class_entry(cls, table, hk.Module)
 
 
 def _default_policy(table: dict) -> Optional[policy_lib.Policy]:
@@ -84,33 +76,7 @@ def region_for_module(name: str, cls: type,
   >>> print(region.policy, "from", region.decided_by)
   p=f32,c=bf16,o=f32 from class hk.Linear
   """
-  table = registry.snapshot()
-  cls_name = module_class_name(cls)
-
-  def region(policy, decided_by, inherited=False):
-    return regions.Region(policy=policy, decided_by=decided_by,
-                          module_name=name, module_class=cls_name,
-                          inherited=inherited)
-
-  patterns = registry.matching_patterns(name, table)
-  if patterns:
-    return region(registry.lookup(table, patterns[0]),
-                  f"pattern {patterns[0]!r}")
-  entry = _class_entry(cls, table)
-  if entry is not None:
-    return region(registry.lookup(table, entry),
-                  f"class {registry.key_name(entry)}")
-  if enclosing is not None:
-    if enclosing.full_precision:
-      return None
-    if enclosing.policy is not None:
-      source = enclosing.module_name or enclosing.decided_by
-      return region(enclosing.policy, f"inherited from {source}",
-                    inherited=True)
-  default = _default_policy(table)
-  if default is not None:
-    return region(default, "default hk.Module")
-  return None
+  return class_lookup.region_for_call(name, cls, enclosing, hk.Module)
 
 
 @dataclasses.dataclass(frozen=True)
