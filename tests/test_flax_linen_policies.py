@@ -175,3 +175,27 @@ def test_mpolicy_runs_without_flax_and_loads_no_bridge():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=120, check=True)
   assert out.stdout.strip() == "False"
+
+
+def test_an_nnx_layer_gets_its_policy_from_a_named_scope_pattern():
+  # NNX has no method hook: the README's way is a named scope and a pattern.
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.body = nnx.Linear(4, 8, rngs=rngs)
+      self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      x = self.body(x)
+      with jax.named_scope("head"):
+        return self.head(x)
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  fn = mpolicy.amp(lambda p, x: nnx.merge(graphdef, p)(x), HALF)
+  mpolicy.set_policy("head", "full")
+  report = mpolicy.explain(fn, params, jnp.ones([3, 4]))
+  assert [(r.scope, r.ran_in) for r in report.rows
+          if r.primitive.endswith("dot_general")] == [("", "bfloat16"),
+                                                      ("head", "float32")]
