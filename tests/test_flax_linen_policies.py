@@ -199,3 +199,14 @@ def test_an_nnx_layer_gets_its_policy_from_a_named_scope_pattern():
   assert [(r.scope, r.ran_in) for r in report.rows
           if r.primitive.endswith("dot_general")] == [("", "bfloat16"),
                                                       ("head", "float32")]
+
+
+def test_explain_policy_names_the_linen_entry_and_default():
+  mpolicy.set_policy(nn.Module, HALF)
+  mpolicy.set_policy(nn.BatchNorm, "full")
+  assert str(mpolicy.explain_policy(nn.BatchNorm)) == (
+      "nn.BatchNorm: p=f32,c=f32,o=f32 from class nn.BatchNorm (rule 2: "
+      "nearest class in the MRO).\n  also matched: nn.Module")
+  dense = mpolicy.explain_policy("encoder/Dense_0", nn.Dense)
+  assert (dense.rule, dense.key) == (4, nn.Module)
+  assert str(dense.policy) == HALF

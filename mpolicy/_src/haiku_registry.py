@@ -1,9 +1,11 @@
 """Registry lookup for Haiku modules: which entry governs a module call.
 
-`registry` keeps the table and matches name patterns without Haiku. This
-module adds what needs Haiku's classes: the walk along a module class's MRO,
-the ``hk.Module`` default, and `explain_policy`. The Haiku bridge calls
-`region_for_module` for every module call it intercepts.
+`registry` keeps the table and matches name patterns without Haiku;
+`class_lookup` walks a module class's MRO for any framework. This module
+adds what needs Haiku's classes: the ``hk.Module`` default and
+`explain_policy` (which also explains Flax linen classes, whose default is
+the entry on ``nn.Module``). The Haiku bridge calls `region_for_module` for
+every module call it intercepts.
 
 Precedence for a module call, most specific first:
 
@@ -26,16 +28,6 @@ from mpolicy._src import class_lookup
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
-
-
-def _class_entry(cls: type, table: dict) -> Optional[type]:
-  """The nearest class in ``cls``'s MRO with an entry, ``hk.Module`` not."""
-  return class_lookup.class_entry(cls, table, hk.Module)
-
-
-def _default_policy(table: dict) -> Optional[policy_lib.Policy]:
-  """The policy set on ``hk.Module`` in ``table`` (rule 4), or ``None``."""
-  return registry.lookup(table, hk.Module)
 
 
 def module_class_name(cls: type) -> str:
@@ -108,7 +100,7 @@ class PolicyExplanation:
 
 
 def _is_module_class(value) -> bool:
-  return isinstance(value, type) and issubclass(value, hk.Module)
+  return isinstance(value, type) and registry.root_class(value) is not None
 
 
 def explain_policy(module_name_or_class: Union[str, type],
@@ -124,7 +116,9 @@ def explain_policy(module_name_or_class: Union[str, type],
   Args:
     module_name_or_class: a full module name (``"encoder/~/linear_0"``) or
       a module class.
-    module_class: with a name, the module's class, so class entries count.
+    module_class: with a name, the module's class, so class entries count
+      (and, for a Flax linen class, the default is the one on
+      ``nn.Module``).
 
   Returns:
     A `PolicyExplanation`; ``str()`` of it reads as a sentence. A policy
@@ -133,7 +127,8 @@ def explain_policy(module_name_or_class: Union[str, type],
 
   Raises:
     TypeError: if ``module_name_or_class`` is neither a string nor a Haiku
-      module class, or ``module_class`` is given and is not one.
+      or Flax linen module class, or ``module_class`` is given and is not
+      one.
 
   See also: `explain` for what each primitive ran in.
   """
@@ -143,24 +138,26 @@ def explain_policy(module_name_or_class: Union[str, type],
     name, cls = None, module_name_or_class
   else:
     raise TypeError(
-        "explain_policy: expected a module name string or a Haiku module "
-        f"class; got {module_name_or_class!r}.")
+        "explain_policy: expected a module name string or a Haiku or Flax "
+        f"linen module class; got {module_name_or_class!r}.")
   if cls is not None and not _is_module_class(cls):
     raise TypeError(
-        f"explain_policy: module_class must be a Haiku module class; got "
-        f"{cls!r}.")
+        "explain_policy: module_class must be a Haiku or Flax linen module "
+        f"class; got {cls!r}.")
+  root = hk.Module if cls is None else registry.root_class(cls)
   table = registry.snapshot()
   subject = name if name is not None else registry.key_name(cls)
   candidates: list[str] = []
   patterns = (registry.matching_patterns(name, table)
               if name is not None else [])
   candidates += [repr(p) for p in patterns]
-  entry = _class_entry(cls, table) if cls is not None else None
+  entry = (class_lookup.class_entry(cls, table, root)
+           if cls is not None else None)
   if entry is not None:
     candidates.append(registry.key_name(entry))
-  default = _default_policy(table)
+  default = registry.lookup(table, root)
   if default is not None:
-    candidates.append("hk.Module")
+    candidates.append(registry.key_name(root))
   if patterns:
     key, rule, why = patterns[0], 1, (
         f"pattern {patterns[0]!r} (rule 1: a pattern on the module's own "
@@ -170,8 +167,8 @@ def explain_policy(module_name_or_class: Union[str, type],
         f"class {registry.key_name(entry)} (rule 2: nearest class in the "
         "MRO)")
   elif default is not None:
-    key, rule, why = hk.Module, 4, (
-        "default hk.Module (rule 4), unless an enclosing module call or "
+    key, rule, why = root, 4, (
+        f"default {registry.key_name(root)} (rule 4), unless an enclosing module call or "
         "named scope has a policy (rule 3)")
   else:
     return PolicyExplanation(

@@ -66,6 +66,24 @@ def _is_linen_module_class(cls: type) -> bool:
   return isinstance(module_base, type) and issubclass(cls, module_base)
 
 
+def root_class(cls: type) -> Optional[type]:
+  """The base module class of ``cls``'s framework, or ``None``.
+
+  Returns:
+    ``haiku.Module`` for a Haiku module class, ``flax.linen.Module`` for a
+    linen one (looked up in `sys.modules`, so nothing is imported), else
+    ``None``.
+
+  >>> root_class(dict) is None
+  True
+  """
+  for framework in ("haiku", "flax.linen"):
+    base = getattr(sys.modules.get(framework), "Module", None)
+    if isinstance(base, type) and issubclass(cls, base):
+      return base
+  return None
+
+
 def _check_key(key: Any) -> Key:
   """Returns ``key`` if it can key the registry, else raises a clear error."""
   if isinstance(key, str):
