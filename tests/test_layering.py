@@ -192,3 +192,33 @@ def test_the_checker_follows_every_import_form_to_haiku(tmp_path):
   # Allowing the Haiku importers themselves does not excuse their users.
   chains = haiku_chains(src, frozenset({"leaf", "dotted"}))
   assert set(chains) == {"top", "middle", "low.deep", "relative", "public"}
+
+
+# Flax is optional: only its bridge imports it, and no module imports the
+# bridge (`amp` loads it through `frameworks` once the user imported Flax).
+FLAX_MODULES = frozenset({"flax_bridge"})
+
+
+def _imports_flax(path: pathlib.Path) -> bool:
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      names = [node.module or ""]
+    if any(n == "flax" or n.startswith("flax.") for n in names):
+      return True
+  return False
+
+
+def test_only_the_flax_bridge_imports_flax_and_nothing_imports_it():
+  files = {_module_name(p, _SRC): p for p in sorted(_SRC.rglob("*.py"))}
+  files[_PUBLIC] = _SRC.parent / "__init__.py"
+  assert {name for name, path in files.items()
+          if _imports_flax(path)} == FLAX_MODULES
+  graph, _ = import_graph(_SRC)
+  importers = {name for name, imports in graph.items()
+               if imports & FLAX_MODULES}
+  assert not importers, (
+      f"{sorted(importers)} import the Flax bridge, so mpolicy would need "
+      "Flax; register it in frameworks.BRIDGES instead.")

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from mpolicy._src import dtypes
+from mpolicy._src import frameworks
 from mpolicy._src import interpreter
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
@@ -201,7 +202,8 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
     it = iter(arrs)
     full = [next(it) if t else x for x, t in zip(static.leaves, static.traced)]
     a, k = jax.tree_util.tree_unflatten(static.treedef, full)
-    out = fn(*a, **k)
+    with frameworks.module_policies():  # Flax linen class policies.
+      out = fn(*a, **k)
     _check_outputs(fn, out)
     outs, out_tree = jax.tree_util.tree_flatten(out)
     out_trees.append(out_tree)

@@ -1,9 +1,11 @@
 """Registry lookup for Haiku modules: which entry governs a module call.
 
-`registry` keeps the table and matches name patterns without Haiku. This
-module adds what needs Haiku's classes: the walk along a module class's MRO,
-the ``hk.Module`` default, and `explain_policy`. The Haiku bridge calls
-`region_for_module` for every module call it intercepts.
+`registry` keeps the table and matches name patterns without Haiku;
+`class_lookup` walks a module class's MRO for any framework. This module
+adds what needs Haiku's classes: the ``hk.Module`` default and
+`explain_policy` (which also explains Flax linen classes, whose default is
+the entry on ``nn.Module``). The Haiku bridge calls `region_for_module` for
+every module call it intercepts.
 
 Precedence for a module call, most specific first:
 
@@ -22,28 +24,10 @@ from typing import Optional, Union
 
 import haiku as hk
 
+from mpolicy._src import class_lookup
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
-
-
-def _class_entry(cls: type, table: dict) -> Optional[type]:
-  """The nearest class in ``cls``'s MRO with an entry in ``table``.
-
-  The walk stops at ``hk.Module``: its entry is the default (rule 4), which
-  an enclosing call's policy outranks, so it is never a class entry.
-  """
-  for base in cls.__mro__:
-    if base is hk.Module:
-      return None
-    if registry.lookup(table, base) is not None:
-      return base
-  return None
-
-
-def _default_policy(table: dict) -> Optional[policy_lib.Policy]:
-  """The policy set on ``hk.Module`` in ``table`` (rule 4), or ``None``."""
-  return registry.lookup(table, hk.Module)
 
 
 def region_for_module(name: str, cls: type,
@@ -67,33 +51,7 @@ def region_for_module(name: str, cls: type,
   >>> print(region.policy, "from", region.decided_by)
   p=f32,c=bf16,o=f32 from class hk.Linear
   """
-  table = registry.snapshot()
-  cls_name = registry.key_name(cls)
-
-  def region(policy, decided_by, inherited=False):
-    return regions.Region(policy=policy, decided_by=decided_by,
-                          module_name=name, module_class=cls_name,
-                          inherited=inherited)
-
-  patterns = registry.matching_patterns(name, table)
-  if patterns:
-    return region(registry.lookup(table, patterns[0]),
-                  f"pattern {patterns[0]!r}")
-  entry = _class_entry(cls, table)
-  if entry is not None:
-    return region(registry.lookup(table, entry),
-                  f"class {registry.key_name(entry)}")
-  if enclosing is not None:
-    if enclosing.full_precision:
-      return None
-    if enclosing.policy is not None:
-      source = enclosing.module_name or enclosing.decided_by
-      return region(enclosing.policy, f"inherited from {source}",
-                    inherited=True)
-  default = _default_policy(table)
-  if default is not None:
-    return region(default, "default hk.Module")
-  return None
+  return class_lookup.region_for_call(name, cls, enclosing, hk.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +83,7 @@ class PolicyExplanation:
 
 
 def _is_module_class(value) -> bool:
-  return isinstance(value, type) and issubclass(value, hk.Module)
+  return isinstance(value, type) and registry.root_class(value) is not None
 
 
 def explain_policy(module_name_or_class: Union[str, type],
@@ -141,7 +99,9 @@ def explain_policy(module_name_or_class: Union[str, type],
   Args:
     module_name_or_class: a full module name (``"encoder/~/linear_0"``) or
       a module class.
-    module_class: with a name, the module's class, so class entries count.
+    module_class: with a name, the module's class, so class entries count
+      (and, for a Flax linen class, the default is the one on
+      ``nn.Module``).
 
   Returns:
     A `PolicyExplanation`; ``str()`` of it reads as a sentence. A policy
@@ -150,7 +110,8 @@ def explain_policy(module_name_or_class: Union[str, type],
 
   Raises:
     TypeError: if ``module_name_or_class`` is neither a string nor a Haiku
-      module class, or ``module_class`` is given and is not one.
+      or Flax linen module class, or ``module_class`` is given and is not
+      one.
 
   See also: `explain` for what each primitive ran in.
   """
@@ -160,24 +121,26 @@ def explain_policy(module_name_or_class: Union[str, type],
     name, cls = None, module_name_or_class
   else:
     raise TypeError(
-        "explain_policy: expected a module name string or a Haiku module "
-        f"class; got {module_name_or_class!r}.")
+        "explain_policy: expected a module name string or a Haiku or Flax "
+        f"linen module class; got {module_name_or_class!r}.")
   if cls is not None and not _is_module_class(cls):
     raise TypeError(
-        f"explain_policy: module_class must be a Haiku module class; got "
-        f"{cls!r}.")
+        "explain_policy: module_class must be a Haiku or Flax linen module "
+        f"class; got {cls!r}.")
+  root = hk.Module if cls is None else registry.root_class(cls)
   table = registry.snapshot()
   subject = name if name is not None else registry.key_name(cls)
   candidates: list[str] = []
   patterns = (registry.matching_patterns(name, table)
               if name is not None else [])
   candidates += [repr(p) for p in patterns]
-  entry = _class_entry(cls, table) if cls is not None else None
+  entry = (class_lookup.class_entry(cls, table, root)
+           if cls is not None else None)
   if entry is not None:
     candidates.append(registry.key_name(entry))
-  default = _default_policy(table)
+  default = registry.lookup(table, root)
   if default is not None:
-    candidates.append("hk.Module")
+    candidates.append(registry.key_name(root))
   if patterns:
     key, rule, why = patterns[0], 1, (
         f"pattern {patterns[0]!r} (rule 1: a pattern on the module's own "
@@ -187,8 +150,8 @@ def explain_policy(module_name_or_class: Union[str, type],
         f"class {registry.key_name(entry)} (rule 2: nearest class in the "
         "MRO)")
   elif default is not None:
-    key, rule, why = hk.Module, 4, (
-        "default hk.Module (rule 4), unless an enclosing module call or "
+    key, rule, why = root, 4, (
+        f"default {registry.key_name(root)} (rule 4), unless an enclosing module call or "
         "named scope has a policy (rule 3)")
   else:
     return PolicyExplanation(

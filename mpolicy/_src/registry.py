@@ -55,6 +55,35 @@ def _is_haiku_module_class(cls: type) -> bool:
   return isinstance(module_base, type) and issubclass(cls, module_base)
 
 
+def _is_linen_module_class(cls: type) -> bool:
+  """Whether ``cls`` subclasses ``flax.linen.Module``, without importing Flax.
+
+  As for Haiku: if ``flax.linen`` has not been imported, no class can
+  subclass its ``Module``.
+  """
+  linen = sys.modules.get("flax.linen")
+  module_base = getattr(linen, "Module", None)
+  return isinstance(module_base, type) and issubclass(cls, module_base)
+
+
+def root_class(cls: type) -> Optional[type]:
+  """The base module class of ``cls``'s framework, or ``None``.
+
+  Returns:
+    ``haiku.Module`` for a Haiku module class, ``flax.linen.Module`` for a
+    linen one (looked up in `sys.modules`, so nothing is imported), else
+    ``None``.
+
+  >>> root_class(dict) is None
+  True
+  """
+  for framework in ("haiku", "flax.linen"):
+    base = getattr(sys.modules.get(framework), "Module", None)
+    if isinstance(base, type) and issubclass(cls, base):
+      return base
+  return None
+
+
 def _check_key(key: Any) -> Key:
   """Returns ``key`` if it can key the registry, else raises a clear error."""
   if isinstance(key, str):
@@ -68,11 +97,14 @@ def _check_key(key: Any) -> Key:
           "spaces; module names never do. Use "
           f"{key.strip()!r}.")
     return key
-  if isinstance(key, type) and _is_haiku_module_class(key):
+  if isinstance(key, type) and (_is_haiku_module_class(key)
+                                or _is_linen_module_class(key)):
     return key
   raise TypeError(
       "set_policy: the key must be a Haiku module class (e.g. hk.BatchNorm, "
-      "or hk.Module for everything) or a non-empty name pattern string "
+      "or hk.Module for everything), a Flax linen module class (e.g. "
+      "nn.BatchNorm, or nn.Module for everything) or a non-empty name "
+      "pattern string "
       f"(e.g. 'encoder/~/mlp', '*/attention'); got {key!r} of type "
       f"{type(key).__name__}.")
 
@@ -95,8 +127,9 @@ def key_name(key: Key) -> str:
 
   Returns:
     ``repr`` of a pattern; ``hk.`` and the qualified name for a class from
-    the ``haiku`` package (read off ``__module__``, so nothing is
-    imported); the module and qualified name for any other class.
+    the ``haiku`` package, ``nn.`` and the qualified name for one from
+    ``flax.linen`` (read off ``__module__``, so nothing is imported); the
+    module and qualified name for any other class.
 
   >>> key_name("enc*")
   "'enc*'"
@@ -108,6 +141,8 @@ def key_name(key: Key) -> str:
   module = key.__module__
   if module == "haiku" or module.startswith("haiku."):
     return f"hk.{key.__qualname__}"
+  if module == "flax.linen" or module.startswith("flax.linen."):
+    return f"nn.{key.__qualname__}"
   return f"{module}.{key.__qualname__}"
 
 
@@ -261,10 +296,12 @@ def set_policy(key: Key, policy: PolicyLike) -> None:
     key: a Haiku module class (the policy covers its subclasses too;
       ``hk.Module`` sets the default for everything; classes are keyed by
       module and qualified name, so a policy outlives an `importlib.reload`
-      of their module) or a name pattern over
+      of their module), a Flax linen module class (governs its calls under
+      `amp`; ``nn.Module`` sets the default) or a name pattern over
       full Haiku module names (``"encoder"``, ``"encoder/~/mlp/~/linear_1"``,
-      ``"*/attention"``; `fnmatch` wildcards) which in plain JAX code is
-      matched against `jax.named_scope` paths.
+      ``"*/attention"``; `fnmatch` wildcards), over linen module paths
+      (``"encoder/Dense_0"``) under `amp`, and in plain JAX code over
+      `jax.named_scope` paths.
     policy: a `Policy`, a ``jmp.Policy`` or a spec string for `get_policy`.
 
   Raises:
