@@ -115,18 +115,80 @@ def test_scaled_float16_grads_recover_under_jit_with_a_huge_scale():
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan, 0., -1., 0,
                                  np.float16(np.inf), jnp.float32(jnp.nan)])
-@pytest.mark.parametrize("cls", [StaticLossScale, DynamicLossScale])
-def test_non_positive_or_non_finite_scales_are_rejected(cls, bad):
+def test_non_positive_or_non_finite_dynamic_scales_are_rejected(bad):
   with pytest.raises(ValueError,
                      match=r"loss_scale must be a positive, finite real"):
-    cls(bad)
+    DynamicLossScale(bad)
 
 
-@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan, 0., -2.])
-def test_non_positive_or_non_finite_floors_are_rejected(bad):
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan, -1.,
+                                 np.float16(np.inf), jnp.float32(jnp.nan)])
+def test_negative_or_non_finite_static_scales_are_rejected(bad):
   with pytest.raises(ValueError,
-                     match=r"min_loss_scale must be a positive, finite real"):
+                     match=r"loss_scale must be a non-negative, finite real"):
+    StaticLossScale(bad)
+
+
+@pytest.mark.parametrize("zero", [0, 0., jnp.float32(0.)])
+def test_a_zero_static_scale_is_accepted_with_a_warning(zero):
+  # jmp accepts it (its own tests build StaticLossScale(0)); it erases every
+  # gradient, which the warning says.
+  with pytest.warns(UserWarning, match=r"StaticLossScale\(0\) scales every "
+                    r"gradient to zero.*NoOpLossScale"):
+    ls = StaticLossScale(zero)
+  assert jax.tree_util.tree_leaves(ls) == []
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan, -2.])
+def test_negative_or_non_finite_floors_are_rejected(bad):
+  with pytest.raises(ValueError,
+                     match=r"min_loss_scale must be a non-negative, finite"):
     DynamicLossScale(2. ** 15, min_loss_scale=bad)
+
+
+def test_a_zero_floor_backs_off_without_another_floor():
+  # jmp's semantics: min_loss_scale=0 is no floor (10 / 2 ** 100 in float32).
+  ls = DynamicLossScale(jnp.float32(10.), min_loss_scale=0.)
+  for _ in range(100):
+    ls = ls.adjust(NON_FINITE)
+  np.testing.assert_allclose(_value(ls), 10. / 2. ** 100, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,floor", [(jnp.float16, 1e-9),
+                                         (jnp.float32, 1e-40),
+                                         (jnp.bfloat16, 0.),
+                                         (jnp.float16, 0.)])
+def test_the_scale_never_backs_off_to_zero_or_an_infinite_reciprocal(dtype,
+                                                                     floor):
+  ls = DynamicLossScale(jnp.asarray(2. ** 10, dtype), min_loss_scale=floor)
+  step = jax.jit(lambda ls: ls.adjust(NON_FINITE))
+  for _ in range(300):
+    ls = step(ls)
+  tiny = float(jnp.finfo(dtype).tiny)
+  assert ls.loss_scale.dtype == dtype
+  assert _value(ls) == tiny, (_value(ls), tiny)
+  grads = ls.unscale({"g": jnp.asarray(1e-3, dtype)})
+  assert bool(jnp.isfinite(grads["g"])), grads
+
+
+def test_a_period_the_counter_cannot_hold_is_rejected_at_construction():
+  with pytest.raises(ValueError, match=r"period \(1099511627776\) must fit "
+                     r"the counter's dtype \(int32, at most 2147483647\)"):
+    DynamicLossScale(2. ** 15, period=2 ** 40)
+  ls = DynamicLossScale(2. ** 15, period=2 ** 31 - 1)
+  assert int(ls.adjust(FINITE).counter) == 1
+
+
+@pytest.mark.parametrize("period,expected", [(5., 5), (np.float32(3.), 3)])
+def test_a_whole_number_float_period_is_an_int(period, expected):
+  ls = DynamicLossScale(2. ** 15, period=period)
+  assert ls.period == expected and isinstance(ls.period, int)
+
+
+@pytest.mark.parametrize("bad", [5.5, float("inf"), float("nan")])
+def test_a_fractional_period_is_rejected(bad):
+  with pytest.raises(TypeError, match=r"period must be a positive int"):
+    DynamicLossScale(2. ** 15, period=bad)
 
 
 @pytest.mark.parametrize("bad", ["4", True, None, object(), 1j])
@@ -200,7 +262,7 @@ def test_non_scalar_dynamic_scale_cannot_scale_but_can_be_mapped():
   np.testing.assert_array_equal(out, [[.5] * 3, [.25] * 3])
 
 
-@pytest.mark.parametrize("period", [1.5, 2000., True, np.bool_(True), "2000",
+@pytest.mark.parametrize("period", [1.5, True, np.bool_(True), "2000",
                                     None, jnp.float32(2.)])
 def test_period_of_the_wrong_type_is_rejected_by_name(period):
   with pytest.raises(TypeError, match=r"period must be a positive int .*got "):

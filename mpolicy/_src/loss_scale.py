@@ -110,8 +110,12 @@ def _concrete(x: Any) -> np.ndarray | None:
 
 
 def _check_positive_number(cls: str, name: str, x: Any,
-                           scalar: bool = True) -> np.ndarray | None:
-  """Checks a loss scale or floor; returns its concrete value (or None)."""
+                           scalar: bool = True,
+                           zero_ok: bool = False) -> np.ndarray | None:
+  """Checks a loss scale or floor; returns its concrete value (or None).
+
+  ``zero_ok`` also accepts 0 (a floor of 0: no floor; jmp's zero static
+  scale)."""
   if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)):
     raise TypeError(f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r} "
                     f"({type(x).__name__}).")
@@ -127,17 +131,24 @@ def _check_positive_number(cls: str, name: str, x: Any,
                      "a non-scalar scale would broadcast and change the "
                      "shape of every leaf it scales.")
   with np.errstate(invalid="ignore"):
-    ok = np.all(np.isfinite(a.astype(np.float64)) & (a > 0))
+    ok = np.all(np.isfinite(a.astype(np.float64))
+                & ((a >= 0) if zero_ok else (a > 0)))
   if not ok:
+    hint = (_NUMBER_HINT.replace("a positive", "a non-negative") if zero_ok
+            else _NUMBER_HINT)
     raise ValueError(
-        f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r}. Zero or negative "
-        "scales flip or erase the gradients, and an inf or nan scale never "
+        f"{cls}: {name} must be {hint}, got {x!r}. "
+        + ("Negative" if zero_ok else "Zero or negative")
+        + " scales flip or erase the gradients, and an inf or nan scale never "
         "recovers" + ("; 1.0 is the usual floor." if name == "min_loss_scale"
                       else "; 2. ** 15 is a usual start."))
   return a
 
 
 def _check_period(period: Any) -> int:
+  if (isinstance(period, (float, np.floating)) and np.isfinite(period)
+      and float(period).is_integer()):
+    period = int(period)  # A whole-number float, as jmp accepts (5.0).
   if isinstance(period, (bool, np.bool_)) or not isinstance(
       period, (int, np.integer)):
     raise TypeError(
@@ -244,8 +255,8 @@ class StaticLossScale:
   only a true overflow of the leaf's dtype gives inf.
 
   Args:
-    loss_scale: a positive, finite scalar (a Python number or a scalar
-      array).
+    loss_scale: a non-negative, finite scalar (a Python number or a scalar
+      array); 0, which jmp accepts, warns: it erases every gradient.
 
   Raises:
     TypeError, ValueError: `loss_scale` is not such a number; the message
@@ -260,7 +271,13 @@ class StaticLossScale:
   loss_scale: Any
 
   def __post_init__(self):
-    _check_positive_number("StaticLossScale", "loss_scale", self.loss_scale)
+    value = _check_positive_number("StaticLossScale", "loss_scale",
+                                   self.loss_scale, zero_ok=True)
+    if value is not None and not np.any(value):
+      warnings.warn(
+          "StaticLossScale(0) scales every gradient to zero, and unscaling "
+          "them gives nan: no step will be finite. Accepted as jmp accepts "
+          "it; use NoOpLossScale() for no scaling.", stacklevel=3)
 
   def scale(self, tree: T) -> T:
     """Multiplies the floating leaves of `tree` by `loss_scale`."""
@@ -337,10 +354,14 @@ class DynamicLossScale:
       with `counter` alike) may be mapped over with `vmap` or `pmap`;
       `scale` and `unscale` need a scalar one.
     counter: finite steps since the last change, a non-negative int.
-    period: finite steps before the scale grows, a positive int.
+    period: finite steps before the scale grows, a positive int that the
+      counter's dtype holds (at most 2 ** 31 - 1 for int32).
     factor: what the scale is multiplied and divided by, a finite number > 1.
-    min_loss_scale: the floor for backing off, positive, finite and at most
-      `loss_scale` (and >= 1 for an integer scale).
+    min_loss_scale: the floor for backing off, non-negative, finite and at
+      most `loss_scale` (and >= 1 for an integer scale). The scale also never
+      backs off below its dtype's smallest normal number (6.1e-05 for
+      float16, 1.2e-38 for float32 and bfloat16), so it never reaches 0;
+      a floor of 0, as jmp allows, means that one alone.
 
   Raises:
     TypeError, ValueError: a concrete argument breaks the rules above (traced
@@ -372,7 +393,8 @@ class DynamicLossScale:
     if _concrete(self.min_loss_scale) is None:
       raise TypeError(f"{cls}: min_loss_scale is static pytree metadata and "
                       "must be a concrete number, got a traced value.")
-    floor = _check_positive_number(cls, "min_loss_scale", self.min_loss_scale)
+    floor = _check_positive_number(cls, "min_loss_scale", self.min_loss_scale,
+                                   zero_ok=True)
     period = _check_period(self.period)
     factor = _check_factor(self.factor)
     if scale is not None and np.any(scale < floor):
@@ -392,6 +414,13 @@ class DynamicLossScale:
     set_ = functools.partial(object.__setattr__, self)
     set_("loss_scale", _strong_array(self.loss_scale, jnp.float32))
     set_("counter", _strong_array(self.counter, jnp.int32))
+    counter_max = int(jnp.iinfo(jnp.result_type(self.counter)).max)
+    if period > counter_max:
+      raise ValueError(
+          f"{cls}: period ({period}) must fit the counter's dtype "
+          f"({jnp.result_type(self.counter)}, at most {counter_max}): the "
+          "counter counts up to it. Use a smaller period (2000 is usual) or "
+          "an int64 counter under jax_enable_x64.")
     set_("period", period)
     set_("factor", factor)
     if not isinstance(self.min_loss_scale, (int, float, np.generic)):
@@ -451,7 +480,13 @@ class DynamicLossScale:
       grown_fits = grown < float(jnp.iinfo(dtype).max) + 1
     grow = self.counter >= self.period - 1
     finite_scale = jnp.where(grow & grown_fits, grown, scale)
-    floor = jnp.minimum(jnp.asarray(self.min_loss_scale).astype(work), scale)
+    floor = jnp.asarray(self.min_loss_scale).astype(work)
+    if jnp.issubdtype(dtype, jnp.floating):
+      # Never below the dtype's smallest normal number: a scale that
+      # underflows to 0 (or whose reciprocal overflows) makes every
+      # unscaled gradient inf, forever. A floor of 0 means no other floor.
+      floor = jnp.maximum(floor, jnp.asarray(jnp.finfo(dtype).tiny, work))
+    floor = jnp.minimum(floor, scale)
     backed_off = jnp.maximum(scale / self.factor, floor)
     loss_scale = jnp.where(grads_finite, finite_scale, backed_off)
 
