@@ -196,7 +196,7 @@ def test_the_checker_follows_every_import_form_to_haiku(tmp_path):
 
 # Flax is optional: only its bridge imports it, and no module imports the
 # bridge (`amp` loads it through `frameworks` once the user imported Flax).
-FLAX_MODULES = frozenset({"flax_bridge"})
+FLAX_MODULES = frozenset({"flax_bridge", "nnx_bridge"})
 
 
 def _imports_flax(path: pathlib.Path) -> bool:

@@ -186,17 +186,37 @@ def interpret(fn: Callable[..., Any], *, policy=None,
     static, arrays = _split_arguments(args, kwargs)
     eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
     if eager and static.hashable():
-      return compiled(static, arrays)
-    return run(static, arrays)  # Under a transformation: trace through.
+      out, states = compiled(static, arrays)
+    else:
+      out, states = run(static, arrays)  # Under a transformation.
+    for (bridge, node), state in zip(_stateful_arguments(args, kwargs),
+                                     states):
+      bridge.update(node, state)
+    return out
 
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
   return interpreted
 
 
+def _stateful_arguments(args, kwargs) -> list:
+  """``(bridge, argument)`` for each top-level argument updated in place."""
+  found = []
+  for x in [*args, *kwargs.values()]:
+    bridge = frameworks.stateful_bridge(x)
+    if bridge is not None:
+      found.append((bridge, x))
+  return found
+
+
 def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
               static: _Static, arrays: list):
-  """One call of an interpreted ``fn``: trace, interpret, cast outputs."""
-  out_trees = []
+  """One call of an interpreted ``fn``: trace, interpret, cast outputs.
+
+  Returns ``(output, states)``: ``states`` holds, for each argument a
+  framework updates in place (a Flax NNX module), its state after the call,
+  in the dtypes it was traced in, for the caller to write back.
+  """
+  out_trees, n_outs = [], []
 
   def flat_fn(*arrs):
     it = iter(arrs)
@@ -205,9 +225,12 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
     with frameworks.module_policies():  # Flax linen class policies.
       out = fn(*a, **k)
     _check_outputs(fn, out)
+    states = [bridge.state_of(node)
+              for bridge, node in _stateful_arguments(a, k)]
     outs, out_tree = jax.tree_util.tree_flatten(out)
-    out_trees.append(out_tree)
-    return outs
+    n_outs.append(len(outs))
+    out_trees.append(jax.tree_util.tree_structure((out, states)))
+    return outs + jax.tree_util.tree_leaves(states)
 
   # Traced at the arguments' own avals, so that what `make_jaxpr` would
   # drop is kept: inside `shard_map`, which mesh axes a value varies over
@@ -221,10 +244,11 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
       dataclasses.replace(config, region_cache={}),
       jax_compat.current_scope_names(), env)
   final = []
-  for out, aval in zip(outs, closed.out_avals):
+  for i, (out, aval) in enumerate(zip(outs, closed.out_avals)):
     target = aval.dtype
-    # float64 outputs are never narrowed to the policy's output dtype.
-    if (cast_outputs and pol is not None
+    # float64 outputs are never narrowed to the policy's output dtype, nor
+    # is module state (it keeps the dtypes it had).
+    if (cast_outputs and pol is not None and i < n_outs[-1]
         and not (dtypes.is_double(dtypes.dtype_of(out))
                  and not dtypes.is_double(pol.output_dtype))):
       target = pol.output_dtype

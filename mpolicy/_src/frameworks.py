@@ -17,6 +17,7 @@ import sys
 # `module_policies()` context manager).
 BRIDGES = {
     "flax.linen": "mpolicy._src.flax_bridge",
+    "flax.nnx": "mpolicy._src.nnx_bridge",
 }
 
 
@@ -41,3 +42,17 @@ def module_policies() -> Iterator[None]:
     for bridge in loaded_bridges():
       stack.enter_context(bridge.module_policies())
     yield
+
+
+def stateful_bridge(x):
+  """The bridge whose framework updates ``x`` in place, or ``None``.
+
+  Such an argument (a Flax NNX module) is rebuilt from tracers inside
+  `amp`; its bridge's `state_of` and `update` carry what the function wrote
+  into it back to the caller's object.
+  """
+  for bridge in loaded_bridges():
+    is_stateful = getattr(bridge, "is_stateful", None)
+    if is_stateful is not None and is_stateful(x):
+      return bridge
+  return None

@@ -1,0 +1,80 @@
+"""A Flax NNX module passed to an `amp` function keeps what it writes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpolicy
+
+nnx = pytest.importorskip("flax.nnx")
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+class Net(nnx.Module):
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x, train=True):
+    h = self.norm(self.linear(x), use_running_average=not train)
+    return self.drop(h, deterministic=not train)
+
+
+def _x():
+  return jax.random.normal(jax.random.PRNGKey(0), (16, 3)) + 5.
+
+
+def _state(m):
+  return (np.asarray(m.norm.mean[...]), np.asarray(m.norm.var[...]))
+
+
+def test_batchnorm_statistics_are_updated_as_without_amp():
+  model, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  f = mpolicy.amp(lambda m, x: m(x), POLICY)
+  for _ in range(3):
+    y = f(model, _x())
+    ref(_x())
+  assert y.dtype == jnp.float32
+  (mean, var), (ref_mean, ref_var) = _state(model), _state(ref)
+  assert mean.dtype == np.float32 and not np.all(mean == 0.)
+  np.testing.assert_allclose(mean, ref_mean, rtol=2e-2, atol=1e-3)
+  np.testing.assert_allclose(var, ref_var, rtol=2e-2, atol=1e-3)
+  # Dropout's RNG counter advanced as in the plain calls.
+  count = int(model.drop.rngs.count[...])
+  assert count == int(ref.drop.rngs.count[...]) == 3
+
+
+def test_state_comes_back_under_nnx_jit_and_as_a_keyword():
+  model, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  f = mpolicy.amp(lambda x, *, m: m(x), POLICY)
+
+  @nnx.jit
+  def step(m, x):
+    return f(x, m=m)
+
+  step(model, _x())
+  ref(_x())
+  np.testing.assert_allclose(_state(model)[0], _state(ref)[0], rtol=2e-2,
+                             atol=1e-3)
+
+
+def test_evaluation_mode_leaves_the_statistics_alone():
+  model = Net(nnx.Rngs(0))
+  f = mpolicy.amp(lambda m, x: m(x, train=False), POLICY)
+  before = _state(model)
+  f(model, _x())
+  for a, b in zip(before, _state(model)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gradients_through_amp_with_a_module_argument():
+  model = Net(nnx.Rngs(0))
+  f = mpolicy.amp(lambda m, x: jnp.sum(m(x, train=False) ** 2), POLICY)
+  grads = nnx.grad(f)(model, _x())
+  kernel = grads["linear"]["kernel"][...]
+  assert kernel.dtype == jnp.float32 and np.all(np.isfinite(kernel))
+  assert np.any(kernel != 0)
