@@ -1,18 +1,21 @@
-"""Float8 matmuls and convolutions with per-tensor scales (current scaling).
+"""Float8 matmuls and convolutions with scales computed from the operands.
 
 Under a policy whose compute dtype is float8 (`c=f8`), the interpreter sends
 every ``dot_general`` and ``conv_general_dilated`` here. Each operand is
-quantized with its own per-tensor scale, computed in the same step from the
-operand itself::
+quantized with scales computed in the same step from the operand itself
+(current scaling)::
 
   scale = amax(|x|) / 448        (1 where amax is 0)
   x_f8  = convert(clamp(x / scale, -448, 448), float8_e4m3fn)
 
-The product of the float8 operands accumulates in float32 and is rescaled by
-``lhs_scale * rhs_scale`` into bfloat16 (or a wider dtype the op asked for).
-This is the graph XLA:GPU recognises on Hopper (float8 operands, a float32
-result, scalar rescale) and runs as a cuBLASLt float8 gemm; elsewhere XLA
-runs it correctly, emulated.
+A matmul's left operand has one scale per row (each token, each example of
+a batch, so a row far below the batch's largest keeps its digits, as under
+`vmap`), its right operand one per batch element (one per tensor for a
+plain matmul); a convolution's operands one each. The product of the float8
+operands accumulates in float32 and is rescaled, one scale at a time (their
+product could underflow), into bfloat16 (or a wider dtype the op asked
+for). XLA:GPU runs the float8 product as a cuBLASLt float8 gemm on Hopper;
+elsewhere XLA runs it correctly, emulated.
 
 The backward pass quantizes the incoming cotangent to ``float8_e5m2`` (wider
 range, for gradients: scale = amax / 57344) and multiplies it with the other
@@ -58,12 +61,13 @@ REASON = ("per-tensor scaled float8_e4m3fn operands (scale = amax/448), "
 _OWN_PARAMS = ("preferred_element_type", "out_sharding", "precision")
 
 
-def quantize(x, dtype: Any = FORWARD_DTYPE):
-  """Quantizes ``x`` to a float8 ``dtype`` with a per-tensor scale.
+def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
+  """Quantizes ``x`` to a float8 ``dtype`` with a scale per tensor or slice.
 
   The scale is ``amax(|x|) / max(dtype)`` (448 for float8_e4m3fn, 57344
-  for float8_e5m2), computed from ``x`` itself, and 1 where ``x`` is all
-  zeros. Values are divided by the scale, clamped to the dtype's range and
+  for float8_e5m2), computed from ``x`` itself over ``axes`` (all of them by
+  default: one scale), and 1 where that part of ``x`` is all zeros (or
+  empty). Values are divided by the scale, clamped to the dtype's range and
   converted. A non-finite ``x`` gives non-finite values back, so a
   loss-scale overflow is still seen downstream.
 
@@ -71,27 +75,38 @@ def quantize(x, dtype: Any = FORWARD_DTYPE):
   >>> q, scale = quantize(jnp.array([1., -2., 896.]))
   >>> q.dtype, float(scale), [float(v) for v in q.astype(jnp.float32)]
   (dtype(float8_e4m3fn), 2.0, [0.5, -1.0, 448.0])
+  >>> _, rows = quantize(jnp.array([[1., 448.], [1e-6, 0.]]), axes=-1)
+  >>> rows.shape, [round(float(v) * 448, 6) for v in rows[:, 0]]
+  ((2, 1), [448.0, 1e-06])
 
   Args:
     x: a floating array.
     dtype: the float8 dtype to quantize to.
+    axes: the axes each scale covers (an int or a tuple); ``None``: all.
 
   Returns:
-    ``(q, scale)``: ``q`` in ``dtype``, ``scale`` a float32 scalar with
-    ``x ~= q * scale``.
+    ``(q, scale)``: ``q`` in ``dtype``, ``scale`` float32 with
+    ``x ~= q * scale``: a scalar for ``axes=None``, else with ``x``'s rank
+    and size 1 along ``axes``.
 
   See also: `dot_general`, `conv_general_dilated`.
   """
   dtype = np.dtype(dtype)
   fmax = float(jnp.finfo(dtype).max)
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  # `initial=0` gives 0 for an empty array (and empty slices): scale 1.
+  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None,
+                 initial=0).astype(jnp.float32)
   scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
   scaled = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax)
   return scaled.astype(dtype), scale
 
 
-def _rescale(out, scale, dtype):
-  return (out * scale).astype(dtype)
+def _rescale(out, scales, dtype):
+  # One scale at a time: the product of two small scales can underflow
+  # float32 (amax(x) * amax(w) below ~2e-33) where each factor does not.
+  for scale in scales:
+    out = out * scale
+  return out.astype(dtype)
 
 
 # --- dot_general ---------------------------------------------------------------
@@ -112,16 +127,23 @@ def _mm(a, b, batched):
 
 
 def _scaled_mm_fwd(a, b, config: _MatmulConfig):
-  aq, sa = quantize(a, FORWARD_DTYPE)
-  bq, sb = quantize(b, FORWARD_DTYPE)
-  out = _rescale(_mm(aq, bq, config.batched), sa * sb, config.out_dtype)
+  # The left operand gets one scale per row (per example of a batch, per
+  # token): a row far below the batch's largest keeps its digits, as it
+  # would if the matmul were vmapped. Rows are free dimensions, so their
+  # scales factor out of the sum. The right operand gets one scale per
+  # batch element.
+  nb = 1 if config.batched else 0
+  aq, sa = quantize(a, FORWARD_DTYPE, axes=-1)
+  bq, sb = quantize(b, FORWARD_DTYPE, axes=(nb, nb + 1) if nb else None)
+  out = _rescale(_mm(aq, bq, config.batched), (sa, sb), config.out_dtype)
   return out, (aq, sa, bq, sb)
 
 
 def _scaled_mm_bwd(config: _MatmulConfig, residuals, g):
   aq, sa, bq, sb = residuals
-  gq, sg = quantize(g, BACKWARD_DTYPE)
   nb = 1 if config.batched else 0
+  per_batch = (nb, nb + 1) if nb else None
+  gq, sg = quantize(g, BACKWARD_DTYPE, axes=per_batch)
   batch = ((0,), (0,)) if config.batched else ((), ())
   # Each result takes its operand's layout, and under explicit sharding its
   # sharding too (the weight gradient contracts a sharded batch).
@@ -129,12 +151,14 @@ def _scaled_mm_bwd(config: _MatmulConfig, residuals, g):
   da = lax.dot_general(gq, bq, (((nb + 1,), (nb + 1,)), batch),
                        preferred_element_type=jnp.float32,
                        out_sharding=lowp.explicit_sharding(aq))
-  # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M.
-  db = lax.dot_general(aq, gq, (((nb,), (nb,)), batch),
+  # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
+  # inside this sum, so they are folded into the cotangent first.
+  hq, sh = quantize(g.astype(jnp.float32) * sa, BACKWARD_DTYPE, axes=per_batch)
+  db = lax.dot_general(aq, hq, (((nb,), (nb,)), batch),
                        preferred_element_type=jnp.float32,
                        out_sharding=lowp.explicit_sharding(bq))
-  return (_rescale(da, sg * sb, config.lhs_dtype),
-          _rescale(db, sa * sg, config.rhs_dtype))
+  return (_rescale(da, (sg, sb), config.lhs_dtype),
+          _rescale(db, (sh,), config.rhs_dtype))
 
 
 _scaled_mm = jax.custom_vjp(
@@ -225,7 +249,7 @@ def _scaled_conv_fwd(a, b, config: _ConvConfig):
   params = dict(config.params)
   aq, sa = quantize(a, FORWARD_DTYPE)
   bq, sb = quantize(b, FORWARD_DTYPE)
-  out = _rescale(_conv(aq, bq, params), sa * sb, config.out_dtype)
+  out = _rescale(_conv(aq, bq, params), (sa, sb), config.out_dtype)
   return out, (aq, sa, bq, sb)
 
 
@@ -263,8 +287,8 @@ def _scaled_conv_bwd(config: _ConvConfig, residuals, g):
   g16, a16, b16 = gq.astype(bf16), aq.astype(bf16), bq.astype(bf16)
   da = _conv_transpose("lhs", params, g16, b16, aq.shape)
   db = _conv_transpose("rhs", params, g16, a16, bq.shape)
-  return (_rescale(da, sg * sb, config.lhs_dtype),
-          _rescale(db, sa * sg, config.rhs_dtype))
+  return (_rescale(da, (sg, sb), config.lhs_dtype),
+          _rescale(db, (sa, sg), config.rhs_dtype))
 
 
 _scaled_conv = jax.custom_vjp(
