@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -162,6 +164,42 @@ def test_racing_saves_to_one_path_leave_one_whole_checkpoint(tmp_path):
     restored = checkpoint.restore_checkpoint(path, trees[0])
     assert same_bits(restored, trees[outcomes.index("saved")])
   assert sorted(os.listdir(tmp_path)) == ["ckpt0", "ckpt1", "ckpt2"]
+
+
+_RACER = r"""
+import glob, sys, time
+import jax.numpy as jnp
+from mpolicy._src import checkpoint
+i, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+tree = {"w": jnp.full((4096,), i, jnp.bfloat16), "i": jnp.int32(i)}
+open(f"{path}.ready{i}", "w").close()
+while len(glob.glob(path + ".ready*")) < n:  # Start together.
+  time.sleep(0.001)
+try:
+  checkpoint.save_checkpoint(path, tree)
+  print("saved")
+except FileExistsError:
+  print("refused")
+"""
+
+
+def test_racing_processes_leave_one_whole_checkpoint(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+  path = str(tmp_path / "ckpt")
+  procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), path, "3"],
+                            env=env, cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(3)]
+  outcomes = [p.communicate(timeout=120)[0].strip() for p in procs]
+  assert sorted(outcomes) == ["refused", "refused", "saved"], outcomes
+  winner = outcomes.index("saved")
+  template = {"w": jnp.zeros((4096,), jnp.bfloat16), "i": jnp.int32(0)}
+  restored = checkpoint.restore_checkpoint(path, template)
+  assert int(restored["i"]) == winner
+  assert np.all(np.asarray(restored["w"], np.float32) == winner)
+  assert sorted(os.listdir(tmp_path)) == [
+      "ckpt", "ckpt.ready0", "ckpt.ready1", "ckpt.ready2"]
 
 
 def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
