@@ -120,8 +120,13 @@ rep = lambda t: jax.tree_util.tree_map(lambda v: jnp.stack([v] * n), t)
 factor = jnp.ones(n).at[3].set(jnp.inf)  # Only device 3 overflows.
 out = step(rep(params), rep(tx.init(params)), rep(mpolicy.NoOpLossScale()),
            jnp.ones((n, 2, 4)), factor)
+pmins = lambda flag: str(jax.make_jaxpr(jax.pmap(mpolicy.make_train_step(
+    loss_fn, tx, axis_name="d", attribute_overflow=flag), axis_name="d"))(
+        rep(params), rep(tx.init(params)), rep(mpolicy.NoOpLossScale()),
+        jnp.ones((n, 2, 4)), factor)).count("pmin")
 print("FACTS=" + json.dumps({
     "devices": n,
+    "pmins": [pmins(False), pmins(True)],
     "finite": [bool(f) for f in out.grads_finite],
     "b_flags": [bool(f) for f in out.nonfinite["b"]],
     "a_flags": [bool(f) for f in out.nonfinite["a"]],
@@ -137,3 +142,5 @@ def test_under_pmap_every_device_reports_the_overflow_of_one():
   assert facts["b_flags"] == [True] * 8
   assert facts["a_flags"] == [False] * 8
   assert facts["paths"] == ["b"]
+  plain, flagged = facts["pmins"]
+  assert plain >= 1 and flagged == plain + 1  # One collective for all flags.

@@ -358,9 +358,10 @@ def scaled_value_and_grad(
     if not attribute_overflow:
       return new_loss_scale, grads_finite, value, grads
     flags = nonfinite_flags(grads)
-    if axis_name is not None:
-      flags = jax.tree_util.tree_map(
-          lambda f: ~distributed.agree_finite(~f, axis_name), flags)
+    leaves, treedef = jax.tree_util.tree_flatten(flags)
+    if axis_name is not None and leaves:  # One collective for all flags.
+      agreed = ~distributed.agree_finite(~jnp.stack(leaves), axis_name)
+      flags = jax.tree_util.tree_unflatten(treedef, list(agreed))
     return new_loss_scale, grads_finite, value, grads, flags
 
   return g
