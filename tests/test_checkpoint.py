@@ -203,7 +203,7 @@ def test_racing_processes_leave_one_whole_checkpoint(tmp_path):
 
 
 def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
-  with pytest.raises(TypeError, match=r"leaf \['bad'\] is a object"):
+  with pytest.raises(TypeError, match=r"leaf \['bad'\] is of type object"):
     checkpoint.save_checkpoint(tmp_path / "a", {"bad": object()})
 
   def fail(src, dst):

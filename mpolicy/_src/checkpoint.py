@@ -64,7 +64,7 @@ def _describe_leaf(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
       dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
     return str(dtype), [int(d) for d in np.shape(leaf)]
   raise TypeError(
-      f"{what}: leaf {key} is a {type(leaf).__name__}; a checkpoint holds "
+      f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint holds "
       "arrays (jax or numpy, any dtype, typed PRNG keys included), "
       "jax.ShapeDtypeStruct (in a template) and Python numbers.")
 
