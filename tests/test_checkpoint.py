@@ -146,13 +146,13 @@ def test_racing_saves_to_one_path_leave_one_whole_checkpoint(tmp_path):
     barrier = threading.Barrier(len(trees))
     outcomes = [None] * len(trees)
 
-    def save(i):
+    def save(i, path=path, barrier=barrier, outcomes=outcomes):
       barrier.wait()
       try:
-        checkpoint.save_checkpoint(path, trees[i])  # pylint: disable=cell-var-from-loop
-        outcomes[i] = "saved"  # pylint: disable=cell-var-from-loop
+        checkpoint.save_checkpoint(path, trees[i])
+        outcomes[i] = "saved"
       except FileExistsError:
-        outcomes[i] = "refused"  # pylint: disable=cell-var-from-loop
+        outcomes[i] = "refused"
 
     threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
     for t in threads:

@@ -40,8 +40,8 @@ _SETTINGS = {
 
 # orbax's synchronous save shares state between threads of one process (a
 # second save started while one runs can fail or damage both); saves and
-# restores from threads therefore take turns. Processes need no lock: each writes to its
-# own temporary directory.
+# restores from threads therefore take turns. Processes need no lock: each
+# writes to its own temporary directory.
 _ORBAX_LOCK = threading.Lock()
 
 
@@ -64,8 +64,8 @@ def _describe_leaf(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
       dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
     return str(dtype), [int(d) for d in np.shape(leaf)]
   raise TypeError(
-      f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint holds "
-      "arrays (jax or numpy, any dtype, typed PRNG keys included), "
+      f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
+      "holds arrays (jax or numpy, any dtype, typed PRNG keys included), "
       "jax.ShapeDtypeStruct (in a template) and Python numbers.")
 
 
@@ -77,11 +77,13 @@ def _settings(tree: PyTree) -> dict[str, dict[str, Any]]:
   """`{keystr: {"type": name, setting: value}}` for each loss scale."""
   is_ls = lambda x: type(x) in _SETTINGS
   out = {}
-  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]:
+  nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]
+  for path, node in nodes:
     if is_ls(node):
+      names = _SETTINGS[type(node)]
       out[jax.tree_util.keystr(path)] = dict(
           type=type(node).__name__,
-          **{name: _number(getattr(node, name)) for name in _SETTINGS[type(node)]})
+          **{name: _number(getattr(node, name)) for name in names})
   return out
 
 
@@ -228,7 +230,8 @@ def _problems(meta: dict, described: dict, settings: dict) -> list[str]:
   return problems
 
 
-def restore_checkpoint(path: str | os.PathLike[str], template: PyTree) -> PyTree:
+def restore_checkpoint(path: str | os.PathLike[str],
+                       template: PyTree) -> PyTree:
   """Loads a `save_checkpoint` checkpoint into the structure of `template`.
 
   Leaves come back with the template's dtypes and shardings (a template
