@@ -72,10 +72,8 @@ from mpolicy._src.half_params import apply_updates_stochastic
 from mpolicy._src.half_params import stochastic_params
 from mpolicy._src.half_params import StochasticParamsState
 
-from mpolicy._src.checkpoint import arrays_to_tree
 from mpolicy._src.checkpoint import restore_checkpoint
 from mpolicy._src.checkpoint import save_checkpoint
-from mpolicy._src.checkpoint import tree_to_arrays
 
 __version__ = "0.1.0"
 
@@ -99,7 +97,6 @@ __all__ = (
     "all_finite",
     "amp",
     "apply_updates_stochastic",
-    "arrays_to_tree",
     "cast_to_full",
     "cast_to_half",
     "clear_policies",
@@ -129,8 +126,20 @@ __all__ = (
     "stochastic_round",
     "transform_amp",
     "transform_amp_with_state",
-    "tree_to_arrays",
     "update_if_finite",
     "with_state_dtypes",
     "with_policies",
 )
+
+_REMOVED = {
+    "tree_to_arrays": "checkpoints are orbax directories: save with "
+                      "mpolicy.save_checkpoint (or orbax directly)",
+    "arrays_to_tree": "checkpoints are orbax directories: restore with "
+                      "mpolicy.restore_checkpoint (or orbax directly)",
+}
+
+
+def __getattr__(name):
+  if name in _REMOVED:
+    raise AttributeError(f"mpolicy.{name} was removed: {_REMOVED[name]}.")
+  raise AttributeError(f"module 'mpolicy' has no attribute {name!r}")

@@ -121,7 +121,7 @@ def test_make_train_step_stochastic_mode_moves_tiny_updates():
                                            param_rounding=rounding))
     p, s, scale = params, init(params), mpolicy.NoOpLossScale()
     for _ in range(10):
-      p, s, scale, finite, _, _ = step(p, s, scale, x)
+      p, s, scale, finite, *_ = step(p, s, scale, x)
       assert bool(finite)
     results[rounding] = float(p["w"].astype(jnp.float32).mean())
   assert results["nearest"] == 1.0

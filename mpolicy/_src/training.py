@@ -358,9 +358,10 @@ def scaled_value_and_grad(
     if not attribute_overflow:
       return new_loss_scale, grads_finite, value, grads
     flags = nonfinite_flags(grads)
-    if axis_name is not None:
-      flags = jax.tree_util.tree_map(
-          lambda f: ~distributed.agree_finite(~f, axis_name), flags)
+    leaves, treedef = jax.tree_util.tree_flatten(flags)
+    if axis_name is not None and leaves:  # One collective for all flags.
+      agreed = ~distributed.agree_finite(~jnp.stack(leaves), axis_name)
+      flags = jax.tree_util.tree_unflatten(treedef, list(agreed))
     return new_loss_scale, grads_finite, value, grads, flags
 
   return g
@@ -770,6 +771,10 @@ class TrainStepResult(NamedTuple):
     value: the loss, or `(loss, aux)` with `has_aux=True`.
     model_state: with `has_state=True`, the model state `loss_fn` returned
       (the old one, bit for bit, if not finite); None otherwise.
+    nonfinite: with `attribute_overflow=True`, `nonfinite_flags(grads)`: a
+      bool scalar per parameter, True where its gradient had inf or NaN
+      (agreed over `axis_name`); None otherwise. `nonfinite_paths()` names
+      them.
   """
   params: Any
   opt_state: Any
@@ -777,6 +782,35 @@ class TrainStepResult(NamedTuple):
   grads_finite: jax.Array
   value: Any
   model_state: Any = None
+  nonfinite: Any = None
+
+  def nonfinite_paths(self) -> list[str]:
+    """The paths of the parameters whose gradients were not finite.
+
+    Reads the flags back to the host: call it on the steps you report
+    (`not grads_finite`).
+
+    Returns:
+      The '/'-joined paths (see `path_str`), in pytree order.
+
+    Raises:
+      ValueError: the step was made without `attribute_overflow=True`.
+
+    >>> import jax, jax.numpy as jnp, optax, mpolicy
+    >>> loss_fn = lambda p, x: jnp.sum(p["a"] * x) + jnp.sum(p["b"])
+    >>> step = jax.jit(mpolicy.make_train_step(
+    ...     loss_fn, optax.sgd(0.1), attribute_overflow=True))
+    >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> out = step(params, optax.sgd(0.1).init(params),
+    ...            mpolicy.NoOpLossScale(), jnp.array([1., jnp.inf]))
+    >>> bool(out.grads_finite), out.nonfinite_paths()
+    (False, ['a'])
+    """
+    if self.nonfinite is None:
+      raise ValueError(
+          "This step did not record which parameters overflowed: make it "
+          "with make_train_step(..., attribute_overflow=True).")
+    return nonfinite_paths(self.nonfinite)
 
 
 def make_train_step(
@@ -791,6 +825,7 @@ def make_train_step(
     max_retries: int = 0,
     param_rounding: str = "nearest",
     average_state: bool = True,
+    attribute_overflow: bool = False,
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -817,6 +852,10 @@ def make_train_step(
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
       `shard_map(out_specs=P())` accepts it). Integer leaves are kept.
+    attribute_overflow: also return which parameters' gradients were not
+      finite, as flags in `TrainStepResult.nonfinite` (one bool scalar per
+      parameter, computed on device; no host sync); the result's
+      `nonfinite_paths()` names them.
     param_rounding: `"nearest"`, or `"stochastic"` to write bfloat16 and
       float16 params with stochastic rounding (no float32 copy): the step
       runs `stochastic_params(optimizer)`, so make `opt_state` with
@@ -843,15 +882,15 @@ def make_train_step(
     grad_fn = scaled_value_and_grad(
         loss_fn, has_aux=has_aux, axis_name=axis_name,
         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
-        max_retries=max_retries)
+        max_retries=max_retries, attribute_overflow=attribute_overflow)
 
     def step(params, opt_state, loss_scale, *args, **kwargs):
-      new_loss_scale, finite, value, grads = grad_fn(
+      new_loss_scale, finite, value, grads, *flags = grad_fn(
           loss_scale, params, *args, **kwargs)
       new_params, new_opt_state = update_if_finite(
           optimizer, grads, opt_state, params, finite)
       return TrainStepResult(new_params, new_opt_state, new_loss_scale,
-                             finite, value)
+                             finite, value, None, *flags)
 
     return step
 
@@ -871,11 +910,11 @@ def make_train_step(
   grad_fn = scaled_value_and_grad(
       loss_with_state, has_aux=True, axis_name=axis_name,
       reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
-      max_retries=max_retries)
+      max_retries=max_retries, attribute_overflow=attribute_overflow)
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
-    new_loss_scale, finite, (loss, extra), grads = grad_fn(
+    new_loss_scale, finite, (loss, extra), grads, *flags = grad_fn(
         loss_scale, params, model_state, *args, **kwargs)
     if has_aux:
       aux, new_model_state = extra
@@ -890,6 +929,6 @@ def make_train_step(
     new_model_state = loss_scale_lib.select_tree(
         finite, new_model_state, model_state)
     return TrainStepResult(new_params, new_opt_state, new_loss_scale, finite,
-                           value, new_model_state)
+                           value, new_model_state, *flags)
 
   return step_with_state
