@@ -77,13 +77,27 @@ class _Static:
     return isinstance(other, _Static) and self._key == other._key
 
 
-def _split_arguments(args, kwargs) -> tuple[_Static, list]:
-  """``(args, kwargs)`` as their static part and their array leaves."""
+def split_arguments(args, kwargs) -> tuple[_Static, list]:
+  """``(args, kwargs)`` as their static part and their array leaves.
+
+  >>> import jax.numpy as jnp
+  >>> static, arrays = split_arguments((jnp.ones(2), "tanh"), {"n": 3})
+  >>> len(arrays), join_arguments(static, arrays)[0][1:], join_arguments(
+  ...     static, arrays)[1]
+  (1, ('tanh',), {'n': 3})
+  """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
   traced = tuple(_is_array_leaf(x) for x in leaves)
   static = _Static(tuple(None if t else x for x, t in zip(leaves, traced)),
                    treedef, traced)
   return static, [x for x, t in zip(leaves, traced) if t]
+
+
+def join_arguments(static: _Static, arrays) -> tuple[tuple, dict]:
+  """``(args, kwargs)`` again, from `split_arguments`' two parts."""
+  it = iter(arrays)
+  full = [next(it) if t else x for x, t in zip(static.leaves, static.traced)]
+  return jax.tree_util.tree_unflatten(static.treedef, full)
 
 
 def _is_output_leaf(x) -> bool:
@@ -183,7 +197,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
 
   @functools.wraps(fn)
   def interpreted(*args, **kwargs):
-    static, arrays = _split_arguments(args, kwargs)
+    static, arrays = split_arguments(args, kwargs)
     eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
     if eager and static.hashable():
       out, states = compiled(static, arrays)
@@ -219,9 +233,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   out_trees, n_outs = [], []
 
   def flat_fn(*arrs):
-    it = iter(arrs)
-    full = [next(it) if t else x for x, t in zip(static.leaves, static.traced)]
-    a, k = jax.tree_util.tree_unflatten(static.treedef, full)
+    a, k = join_arguments(static, arrs)
     with frameworks.module_policies():  # Flax linen class policies.
       out = fn(*a, **k)
     _check_outputs(fn, out)

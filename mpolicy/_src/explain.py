@@ -174,14 +174,11 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
 
 
 def _trace(fn, args, kwargs) -> None:
-  """Traces ``fn`` on the array leaves; other leaves stay static."""
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  """Traces ``fn`` on the array leaves, as `amp` splits them."""
+  static, arrays = amp_lib.split_arguments(args, kwargs)
 
   def flat(*arrays):
-    it = iter(arrays)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    a, k = amp_lib.join_arguments(static, arrays)
     return fn(*a, **k)
 
-  jax.make_jaxpr(flat)(*[x for x, a in zip(leaves, is_array) if a])
+  jax.make_jaxpr(flat)(*arrays)
