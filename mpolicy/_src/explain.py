@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import recording
