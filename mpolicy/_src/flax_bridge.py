@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -44,30 +43,13 @@ from mpolicy._src import registry
 _CONFIGURING = frozenset({"setup", "__init__", "__post_init__"})
 
 
-class _CallStack(threading.local):
-  """The regions of the linen module calls being traced in this thread."""
-
-  def __init__(self):
-    super().__init__()
-    self.regions: list[Optional[regions.Region]] = []
-
-
-_CALLS = _CallStack()
-
-
-@contextlib.contextmanager
-def _entered(region: Optional[regions.Region]) -> Iterator[None]:
-  _CALLS.regions.append(region)
-  try:
-    yield
-  finally:
-    _CALLS.regions.pop()
+_CALLS = regions.CallStack()  # The module calls being traced.
 
 
 def _enclosing_region() -> Optional[regions.Region]:
   """What governs the point where a module method is about to be called."""
-  if _CALLS.regions:
-    return _CALLS.regions[-1]
+  if _CALLS.active:
+    return _CALLS.innermost()
   return registry.region_for_scopes(jax_compat.current_scope_names())
 
 
@@ -172,12 +154,12 @@ def _interceptor(next_f, args, kwargs, context: nn.module.InterceptorContext):
     region = class_lookup.region_for_call(module_name(module), type(module),
                                           enclosing, nn.Module)
   if region is None:
-    with _entered(None):
+    with _CALLS.entered(None):
       return next_f(*args, **kwargs)
   policy = region.policy
   with regions.policy_casts("inputs"):
     args, kwargs = policy.cast_to_compute((args, kwargs))
-  with _entered(region), regions.tagged(region):
+  with _CALLS.entered(region), regions.tagged(region):
     with _fields_set(module, _field_overrides(module, policy)):
       out = next_f(*args, **kwargs)
     _store_in_param_dtype(module, policy)

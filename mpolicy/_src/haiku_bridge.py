@@ -17,7 +17,7 @@ interpreter, which adds the op-level rules inside each tagged region.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 import contextlib
 import functools
 import sys
@@ -53,28 +53,11 @@ def _answer_warningregistry_on_flax_stand_in() -> None:
 _answer_warningregistry_on_flax_stand_in()
 
 
-class _CallStack(threading.local):
-  """The regions of the module calls being traced in this thread."""
-
-  def __init__(self):
-    super().__init__()
-    self.regions: list[Optional[regions.Region]] = []
-
-
-_CALLS = _CallStack()
-
-
-@contextlib.contextmanager
-def _entered(region: Optional[regions.Region]) -> Iterator[None]:
-  _CALLS.regions.append(region)
-  try:
-    yield
-  finally:
-    _CALLS.regions.pop()
+_CALLS = regions.CallStack()  # The module calls being traced.
 
 
 def _innermost() -> Optional[regions.Region]:
-  return _CALLS.regions[-1] if _CALLS.regions else None
+  return _CALLS.innermost()
 
 
 def current_policy() -> Optional[policy_lib.Policy]:
@@ -105,8 +88,8 @@ def _enclosing_region() -> Optional[regions.Region]:
   Inside a module call that is the call's region. Outside any, it is the
   innermost named scope a pattern matches, or a `full_precision()` block.
   """
-  if _CALLS.regions:
-    return _CALLS.regions[-1]
+  if _CALLS.active:
+    return _CALLS.innermost()
   return registry.region_for_scopes(jax_compat.current_scope_names())
 
 
@@ -168,12 +151,12 @@ def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
     region = haiku_registry.region_for_module(module.module_name,
                                               type(module), enclosing)
   if region is None:
-    with _entered(None):
+    with _CALLS.entered(None):
       return next_f(*args, **kwargs)
   policy = region.policy
   with regions.policy_casts("inputs"):
     args, kwargs = policy.cast_to_compute((args, kwargs))
-  with _entered(region), regions.tagged(region):
+  with _CALLS.entered(region), regions.tagged(region):
     out = next_f(*args, **kwargs)
   if region.inherited:
     # Part of the enclosing call: that call casts at its own boundary, so

@@ -138,3 +138,38 @@ def policy_cast_of(names: tuple[str, ...]) -> Optional[str]:
     if name.startswith(POLICY_CAST):
       return name[len(POLICY_CAST):]
   return None
+
+
+class CallStack(threading.local):
+  """The regions of the module calls a bridge is tracing, in this thread.
+
+  Each framework bridge keeps one: the innermost entry is what governs
+  the module call in progress (``None``: a call that runs as written).
+
+  >>> calls = CallStack()
+  >>> with calls.entered(FULL_PRECISION):
+  ...   print(calls.active, calls.innermost() is FULL_PRECISION)
+  True True
+  >>> calls.active, calls.innermost()
+  (False, None)
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._regions: list[Optional[Region]] = []
+
+  @contextlib.contextmanager
+  def entered(self, region: Optional[Region]) -> Iterator[None]:
+    self._regions.append(region)
+    try:
+      yield
+    finally:
+      self._regions.pop()
+
+  @property
+  def active(self) -> bool:
+    """Whether a module call is being traced."""
+    return bool(self._regions)
+
+  def innermost(self) -> Optional[Region]:
+    return self._regions[-1] if self._regions else None
