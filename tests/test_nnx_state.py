@@ -78,3 +78,49 @@ def test_gradients_through_amp_with_a_module_argument():
   kernel = grads["linear"]["kernel"][...]
   assert kernel.dtype == jnp.float32 and np.all(np.isfinite(kernel))
   assert np.any(kernel != 0)
+
+
+def test_rngs_passed_beside_the_model_advance_as_without_amp():
+  class Drop(nnx.Module):
+
+    def __init__(self):
+      self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+      return self.drop(x, rngs=rngs)
+
+  model, rngs, ref_rngs = Drop(), nnx.Rngs(dropout=1), nnx.Rngs(dropout=1)
+  f = mpolicy.amp(lambda m, x, r: m(x, r), POLICY)
+  x = jnp.ones((64,))
+  masks = [np.asarray(f(model, x, rngs) == 0) for _ in range(2)]
+  ref = [np.asarray(model(x, ref_rngs) == 0) for _ in range(2)]
+  assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == 2
+  np.testing.assert_array_equal(masks, ref)  # A new mask each call.
+  assert (masks[0] != masks[1]).any()
+
+
+def test_a_module_nested_in_a_container_argument_keeps_its_statistics():
+  model, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  f = mpolicy.amp(lambda parts, x: parts["nets"][0](x), POLICY)
+  f({"nets": (model,)}, _x())
+  ref(_x())
+  np.testing.assert_allclose(_state(model), _state(ref), rtol=2e-2, atol=1e-3)
+  assert float(np.abs(_state(model)[0]).max()) > 0
+
+
+def test_an_optimizer_argument_takes_its_step():
+  optax = pytest.importorskip("optax")
+
+  def step(model, opt, x):
+    grads = nnx.grad(lambda m: (m(x) ** 2).mean())(model)
+    opt.update(model, grads)
+
+  results = []
+  for wrap in (lambda f: f, lambda f: mpolicy.amp(f, POLICY)):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-1), wrt=nnx.Param)
+    for _ in range(2):
+      wrap(step)(model, opt, _x())
+    results.append((int(opt.step[...]), np.asarray(model.kernel[...])))
+  assert results[0][0] == results[1][0] == 2
+  np.testing.assert_allclose(results[1][1], results[0][1], rtol=2e-2, atol=2e-3)

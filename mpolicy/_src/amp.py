@@ -213,12 +213,24 @@ def interpret(fn: Callable[..., Any], *, policy=None,
 
 
 def _stateful_arguments(args, kwargs) -> list:
-  """``(bridge, argument)`` for each top-level argument updated in place."""
+  """``(bridge, node)`` for each object in the arguments updated in place.
+
+  Found at any depth of the argument pytrees (a module in a tuple or a
+  dict too), outermost first: a node's own parts are not visited again.
+  """
   found = []
-  for x in [*args, *kwargs.values()]:
-    bridge = frameworks.stateful_bridge(x)
-    if bridge is not None:
-      found.append((bridge, x))
+  bridges = frameworks.stateful_bridges()
+  if not bridges:  # No framework that updates in place is imported.
+    return found
+
+  def is_stateful(x) -> bool:
+    for bridge in bridges:
+      if bridge.is_stateful(x):
+        found.append((bridge, x))
+        return True
+    return False
+
+  jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_stateful)
   return found
 
 

@@ -44,15 +44,15 @@ def module_policies() -> Iterator[None]:
     yield
 
 
-def stateful_bridge(x):
-  """The bridge whose framework updates ``x`` in place, or ``None``.
+def stateful_bridges() -> list:
+  """The loaded bridges of frameworks whose objects are updated in place.
 
-  Such an argument (a Flax NNX module) is rebuilt from tracers inside
-  `amp`; its bridge's `state_of` and `update` carry what the function wrote
-  into it back to the caller's object.
+  Such an argument (a Flax NNX module, `Rngs` or `Optimizer`) is rebuilt
+  from tracers inside `amp`; its bridge's `is_stateful`, `state_of` and
+  `update` carry what the function wrote into it back to the caller's
+  object.
+
+  >>> all(hasattr(b, "is_stateful") for b in stateful_bridges())
+  True
   """
-  for bridge in loaded_bridges():
-    is_stateful = getattr(bridge, "is_stateful", None)
-    if is_stateful is not None and is_stateful(x):
-      return bridge
-  return None
+  return [b for b in loaded_bridges() if hasattr(b, "is_stateful")]

@@ -20,9 +20,14 @@ from typing import Any
 from flax import nnx
 
 
+# The base of NNX's objects with in-place state: modules, `nnx.Rngs`,
+# `nnx.Optimizer` (named `Object` before Flax 0.12).
+_STATEFUL = getattr(nnx, "Pytree", None) or nnx.Object
+
+
 def is_stateful(x: Any) -> bool:
-  """Whether ``x`` is an NNX module (or another NNX graph node)."""
-  return isinstance(x, nnx.Module)
+  """Whether ``x`` is an NNX object whose state a call may write in place."""
+  return isinstance(x, _STATEFUL)
 
 
 def state_of(node: Any) -> Any:
