@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import mpolicy
-from mpolicy._src import fp8
+from mpolicy._src.rules import fp8_scaling
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hlo_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -78,8 +78,8 @@ def main(argv=None):
   a32 = jax.random.normal(ka, (n, n), jnp.float32)
   b32 = jax.random.normal(kb, (n, n), jnp.float32)
   a16, b16 = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
-  aq, sa = fp8.quantize(a16)
-  bq, sb = fp8.quantize(b16)
+  aq, sa = fp8_scaling.quantize(a16)
+  bq, sb = fp8_scaling.quantize(b16)
 
   policy = "p=f32,c=f8,o=bf16"
   amp_mm = mpolicy.amp(lambda a, b: a @ b, policy)
@@ -90,9 +90,9 @@ def main(argv=None):
     return (out * (sa * sb)).astype(jnp.bfloat16)
 
   def quantize_with(x, scale):
-    fmax = float(jnp.finfo(fp8.FORWARD_DTYPE).max)
+    fmax = float(jnp.finfo(fp8_scaling.FORWARD_DTYPE).max)
     q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax)
-    return q.astype(fp8.FORWARD_DTYPE), jnp.max(jnp.abs(x))
+    return q.astype(fp8_scaling.FORWARD_DTYPE), jnp.max(jnp.abs(x))
 
   def delayed(a, b, sa, sb):
     (aq, amax_a), (bq, amax_b) = quantize_with(a, sa), quantize_with(b, sb)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mpolicy
-from mpolicy._src import lowp
+from mpolicy._src.rules import matmul
 
 HALF = "p=f32,c=bf16,o=f32"
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -62,7 +62,7 @@ def test_cpu_dot_is_the_float32_dot_of_the_rounded_operands(dims):
   b = jax.random.normal(KEYS[1], (24, 24))
   ah, bh = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
   dn = (dims, ((), ()))
-  got = jax.jit(lambda a, b: lowp.amp_dot_general(
+  got = jax.jit(lambda a, b: matmul.amp_dot_general(
       a, b, dimension_numbers=dn, out_dtype=jnp.float32))(ah, bh)
   want = jax.lax.dot_general(ah.astype(jnp.float32), bh.astype(jnp.float32),
                              dn, precision=jax.lax.Precision.HIGHEST)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mpolicy
-from mpolicy._src import fp8
+from mpolicy._src.rules import fp8_scaling
+from mpolicy._src.rules import matmul
 from mpolicy._src import policy as policy_lib
 
 F8 = "p=f32,c=f8,o=bf16"
@@ -94,7 +95,7 @@ def test_cast_to_compute_under_f8_casts_to_bfloat16():
 
 def test_scale_is_amax_over_448():
   x = jnp.array([[0.5, -3.0], [2.0, 1.0]])
-  q, scale = fp8.quantize(x)
+  q, scale = fp8_scaling.quantize(x)
   assert q.dtype == E4M3
   assert float(scale) == pytest.approx(3.0 / 448)
   assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448.0
@@ -102,17 +103,17 @@ def test_scale_is_amax_over_448():
 
 
 def test_cotangent_scale_is_amax_over_57344():
-  q, scale = fp8.quantize(jnp.array([1.0, -7.0]), jnp.float8_e5m2)
+  q, scale = fp8_scaling.quantize(jnp.array([1.0, -7.0]), jnp.float8_e5m2)
   assert q.dtype == E5M2
   assert float(scale) == pytest.approx(7.0 / 57344)
 
 
 def test_zero_input_scale_is_one_and_output_zero():
-  q, scale = fp8.quantize(jnp.zeros((4, 4)))
+  q, scale = fp8_scaling.quantize(jnp.zeros((4, 4)))
   assert float(scale) == 1.0 and not np.any(np.asarray(q, np.float32))
-  out = fp8.dot_general(jnp.zeros((4, 8)), _normal(0, (8, 2)), DOT)
+  out = matmul.fp8_dot_general(jnp.zeros((4, 8)), _normal(0, (8, 2)), DOT)
   assert np.all(np.asarray(out, np.float32) == 0)
-  grads = jax.grad(lambda a, b: jnp.sum(fp8.dot_general(a, b, DOT)
+  grads = jax.grad(lambda a, b: jnp.sum(matmul.fp8_dot_general(a, b, DOT)
                                         .astype(jnp.float32)), (0, 1))(
                                             jnp.zeros((4, 8)), _normal(0, (8, 2)))
   assert all(np.all(np.isfinite(g)) for g in grads)
@@ -121,14 +122,14 @@ def test_zero_input_scale_is_one_and_output_zero():
 
 def test_non_finite_input_gives_non_finite_output():
   x = _normal(0, (4, 8)).at[0, 0].set(jnp.inf)
-  out = fp8.dot_general(x, _normal(1, (8, 3)), DOT)
+  out = matmul.fp8_dot_general(x, _normal(1, (8, 3)), DOT)
   assert not np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
 def test_non_finite_cotangent_gives_non_finite_gradients():
   # An overflowed loss-scaled cotangent must stay visible to `all_finite`.
   x, w = _normal(0, (4, 8)), _normal(1, (8, 3))
-  _, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, DOT), x, w)
+  _, vjp = jax.vjp(lambda x, w: matmul.fp8_dot_general(x, w, DOT), x, w)
   ct = jnp.ones((4, 3), jnp.bfloat16).at[1, 1].set(jnp.inf)
   gx, gw = vjp(ct)
   assert not bool(mpolicy.all_finite((gx,))) and not bool(mpolicy.all_finite((gw,)))
@@ -208,10 +209,10 @@ def test_batched_dot_general_matches_shape_and_values():
   a, b = _normal(0, (3, 5, 7, 16)), _normal(1, (3, 16, 9, 5))
   dims = (((3,), (1,)), ((0,), (0,)))
   ref = lax.dot_general(a, b, dims)
-  out = fp8.dot_general(a, b, dims)
+  out = matmul.fp8_dot_general(a, b, dims)
   assert out.shape == ref.shape
   assert _rel(out, ref) < 0.05
-  grads = jax.grad(lambda a, b: jnp.sum(fp8.dot_general(a, b, dims)
+  grads = jax.grad(lambda a, b: jnp.sum(matmul.fp8_dot_general(a, b, dims)
                                         .astype(jnp.float32) * ref), (0, 1))(a, b)
   refs = jax.grad(lambda a, b: jnp.sum(lax.dot_general(a, b, dims) * ref),
                   (0, 1))(a, b)

@@ -130,7 +130,7 @@ def test_haiku_conv_net_under_transform_amp_lowers_half_convolutions():
 def test_cuda_lowering_computes_what_the_cpu_one_does():
   # The GPU lowering is another way to the same numbers: the default
   # lowering evaluated here and the accelerator composite agree to bf16.
-  from mpolicy._src import lowp  # pylint: disable=g-import-not-at-top
+  from mpolicy._src.rules import conv
   x, k1, _ = _conv_args()
   xh, kh = x.astype(jnp.bfloat16), k1.astype(jnp.bfloat16)
   params = dict(window_strides=(1, 1), padding=((1, 1), (1, 1)),
@@ -138,8 +138,8 @@ def test_cuda_lowering_computes_what_the_cpu_one_does():
                 dimension_numbers=jax.lax.conv_dimension_numbers(
                     x.shape, k1.shape, ("NHWC", "HWIO", "NHWC")),
                 feature_group_count=1, batch_group_count=1, precision=None)
-  cpu = lowp._conv_composite(xh, kh, out_dtype=jnp.bfloat16, **params)  # pylint: disable=protected-access
-  gpu = lowp._conv_accelerator(xh, kh, out_dtype=jnp.bfloat16, **params)  # pylint: disable=protected-access
+  cpu = conv._conv_composite(xh, kh, out_dtype=jnp.bfloat16, **params)  # pylint: disable=protected-access
+  gpu = conv._conv_accelerator(xh, kh, out_dtype=jnp.bfloat16, **params)  # pylint: disable=protected-access
   assert cpu.dtype == gpu.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(cpu, np.float32),
                              np.asarray(gpu, np.float32), rtol=2e-2, atol=2e-2)

@@ -11,7 +11,9 @@ import pytest
 
 from _helpers import multiplies_in
 
-from mpolicy._src import lowp
+from mpolicy._src.rules import conv
+
+from mpolicy._src.rules import matmul
 from mpolicy._src.amp import amp
 
 HALF = "p=f32,c=bf16,o=f32"
@@ -107,11 +109,11 @@ def test_vmap_of_grad_uses_batching_rule():
 def test_amp_dot_general_primitive_directly():
   a, b = X[0].astype(BF16), W.astype(BF16)
   dn = (((1,), (0,)), ((), ()))
-  out = lowp.amp_dot_general(a, b, dimension_numbers=dn, out_dtype=BF16)
+  out = matmul.amp_dot_general(a, b, dimension_numbers=dn, out_dtype=BF16)
   assert out.dtype == BF16
   ref = jax.lax.dot_general(a, b, dn, preferred_element_type=F32).astype(BF16)
   np.testing.assert_array_equal(out, ref)
-  np.testing.assert_array_equal(jax.jit(lowp.amp_dot_general, static_argnames=(
+  np.testing.assert_array_equal(jax.jit(matmul.amp_dot_general, static_argnames=(
       "dimension_numbers", "precision", "out_dtype"))(
           a, b, dimension_numbers=dn, out_dtype=BF16), ref)
 
@@ -139,7 +141,7 @@ def test_amp_dot_general_matches_dot_general_and_its_gradients(
   rng = np.random.default_rng(0)
   lhs = jnp.asarray(rng.normal(size=lhs_shape), jnp.bfloat16)
   rhs = jnp.asarray(rng.normal(size=rhs_shape), jnp.bfloat16)
-  amp_dot = lambda a, b: lowp.amp_dot_general(
+  amp_dot = lambda a, b: matmul.amp_dot_general(
       a, b, dimension_numbers=dims, out_dtype=F32)
   # The reference at full float32 precision: GPUs' default f32 matmul is TF32.
   ref_dot = lambda a, b: jax.lax.dot_general(
@@ -214,7 +216,7 @@ def test_backward_convs_are_half_by_half_in_jaxpr(groups):
   convs = eqns_named(closed, "conv_general_dilated")
   assert len(convs) == 6  # 2 forward + 2 x 2 backward.
   for eqn in convs:
-    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert eqn.primitive is conv.amp_conv_general_dilated_p, eqn
     assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
@@ -279,7 +281,7 @@ def test_conv_jvp_and_jacfwd_work(groups):
                              atol=2e-2 * float(jnp.max(jnp.abs(want))))
   closed = jax.make_jaxpr(jax.jacfwd(lambda k: f(IMG, K1, k)))(k2)
   convs = eqns_named(closed, "conv_general_dilated")
-  assert convs and all(e.primitive is lowp.amp_conv_general_dilated_p
+  assert convs and all(e.primitive is conv.amp_conv_general_dilated_p
                        for e in convs)
 
 
@@ -298,7 +300,7 @@ def test_vmap_of_conv_grad_keeps_the_primitive(groups, in_axes):
   convs = eqns_named(jax.make_jaxpr(f)(*args), "conv_general_dilated")
   assert len(convs) == 6
   for eqn in convs:
-    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert eqn.primitive is conv.amp_conv_general_dilated_p, eqn
     assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
 
 
@@ -319,12 +321,12 @@ def test_full_policy_convs_are_bitwise_plain(groups):
 def test_amp_conv_primitive_directly():
   x, k = IMG.astype(BF16), K1.astype(BF16)
   kw = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=DN)
-  out = lowp.amp_conv_general_dilated(x, k, **kw, out_dtype=BF16)
+  out = conv.amp_conv_general_dilated(x, k, **kw, out_dtype=BF16)
   assert out.dtype == BF16
   ref = jax.lax.conv_general_dilated(x, k, **kw,
                                      preferred_element_type=F32).astype(BF16)
   np.testing.assert_array_equal(out, ref)
-  jitted = jax.jit(lambda x, k: lowp.amp_conv_general_dilated(
+  jitted = jax.jit(lambda x, k: conv.amp_conv_general_dilated(
       x, k, **kw, out_dtype=F32))
   np.testing.assert_array_equal(jitted(x, k), jax.lax.conv_general_dilated(
       x, k, **kw, preferred_element_type=F32))
@@ -340,7 +342,7 @@ def test_second_order_conv_grads_stay_half_by_half():
   convs = eqns_named(closed, "conv_general_dilated")
   assert len(convs) > 6
   for eqn in convs:
-    assert eqn.primitive is lowp.amp_conv_general_dilated_p, eqn
+    assert eqn.primitive is conv.amp_conv_general_dilated_p, eqn
     assert list(multiplies_in(eqn)) == [BF16, BF16], eqn
   want = jax.grad(lambda k: jnp.sum(
       jax.grad(convnet, argnums=1)(IMG, k, k2) ** 2))(K1)

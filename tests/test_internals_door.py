@@ -1,4 +1,5 @@
-"""`jax_compat` is the only module of mpolicy that touches JAX internals."""
+"""`jax_compat` is the only package of mpolicy that touches JAX internals
+or reads a primitive's params by key."""
 
 import ast
 import pathlib
@@ -8,7 +9,7 @@ import mpolicy
 _PACKAGE = pathlib.Path(mpolicy.__file__).parent
 _INTERNAL = ("jax._src", "jax.extend", "jax.core", "jax.interpreters",
              "jaxlib")
-_DOOR = _PACKAGE / "_src" / "jax_compat.py"
+_DOOR = _PACKAGE / "_src" / "jax_compat"
 
 
 def _internal_uses(path: pathlib.Path) -> list[str]:
@@ -34,11 +35,15 @@ def _internal_uses(path: pathlib.Path) -> list[str]:
   return found
 
 
+def _outside_the_door() -> list[pathlib.Path]:
+  return sorted(p for p in _PACKAGE.rglob("*.py") if _DOOR not in p.parents)
+
+
 def test_only_the_compatibility_module_touches_jax_internals():
-  files = sorted(p for p in _PACKAGE.rglob("*.py") if p != _DOOR)
+  files = _outside_the_door()
   assert len(files) > 10
   uses = [u for f in files for u in _internal_uses(f)]
-  assert not uses, ("JAX internals used outside mpolicy/_src/jax_compat.py "
+  assert not uses, ("JAX internals used outside mpolicy/_src/jax_compat/ "
                     "(route them through it):\n" + "\n".join(uses))
 
 
@@ -51,4 +56,54 @@ def test_the_checker_sees_internal_imports_and_references(tmp_path):
   assert any("jax._src" in u for u in uses)
   assert any("jax.extend" in u for u in uses)
   assert any("jax.core.Tracer" in u for u in uses)
-  assert _internal_uses(_DOOR)  # The door itself does use them.
+  assert _internal_uses(_DOOR / "internals.py")  # The door does use them.
+
+
+def _is_params(node) -> bool:
+  """``x.params`` or a name ``params``."""
+  return ((isinstance(node, ast.Attribute) and node.attr == "params")
+          or (isinstance(node, ast.Name) and node.id == "params"))
+
+
+def _param_reads(path: pathlib.Path) -> list[str]:
+  """Reads of an equation's params by key: ``eqn.params["k"]``,
+  ``params.get("k")``, ``dict(eqn.params, k=...)``, ``"k" in params``."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    hit = None
+    if (isinstance(node, ast.Subscript) and _is_params(node.value)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)):
+      hit = f"params[{node.slice.value!r}]"
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr == "get" and _is_params(node.func.value)):
+      hit = "params.get(...)"
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id == "dict" and node.args
+          and _is_params(node.args[0]) and node.keywords):
+      hit = "dict(params, key=...)"
+    elif (isinstance(node, ast.Compare) and len(node.comparators) == 1
+          and _is_params(node.comparators[0])
+          and isinstance(node.left, ast.Constant)):
+      hit = f"{node.left.value!r} in params"
+    if hit:
+      found.append(f"{path.name}:{node.lineno}: {hit}")
+  return found
+
+
+def test_only_the_compatibility_module_reads_params_by_key():
+  reads = [r for f in _outside_the_door() for r in _param_reads(f)]
+  assert not reads, ("primitive params read by key outside "
+                     "mpolicy/_src/jax_compat/ (add a reader there):\n"
+                     + "\n".join(reads))
+
+
+def test_the_params_checker_sees_each_form(tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text("a = eqn.params['jaxpr']\nb = params.get('num_consts')\n"
+                 "c = dict(eqn.params, jaxpr=None)\nd = 'ft_in' in params\n"
+                 "e = x['jaxpr']\n")
+  assert [r.split(": ")[1] for r in _param_reads(bad)] == [
+      "params['jaxpr']", "params.get(...)", "dict(params, key=...)",
+      "'ft_in' in params"]
+  assert _param_reads(_DOOR / "params.py")  # The door itself reads them.

@@ -24,7 +24,7 @@ import jmp
 import numpy as np
 
 import mpolicy
-from mpolicy._src import lowp
+from mpolicy._src.rules import half_storage
 
 from _helpers import walk_eqns
 
@@ -217,7 +217,7 @@ def test_float16_exp_result_stays_float32():
 
 def test_unary_in_float32_values_and_derivatives():
   x = jnp.linspace(-3, 3, 64).astype(jnp.bfloat16)
-  f = lambda x: lowp.unary_in_float32(jnp.exp, x, jnp.bfloat16)
+  f = lambda x: half_storage.unary_in_float32(jnp.exp, x, jnp.bfloat16)
   y = f(x)
   assert y.dtype == BF16
   np.testing.assert_array_equal(
@@ -239,7 +239,7 @@ def test_scale_in_float32_derivatives_match_float32():
   x = jax.random.normal(KEY, (4, 8)).astype(jnp.bfloat16)
   s = jnp.abs(jax.random.normal(jax.random.PRNGKey(2), (4, 1))) + 1.0
   for kind, ref in (("div", lambda x, s: x / s), ("mul", lambda x, s: x * s)):
-    f = lambda x, s, kind=kind: lowp.scale_in_float32(kind, x, s, jnp.bfloat16)
+    f = lambda x, s, kind=kind: half_storage.scale_in_float32(kind, x, s, jnp.bfloat16)
     assert f(x, s).dtype == BF16
     w = jax.random.normal(jax.random.PRNGKey(3), (4, 8))
     loss = lambda x, s, f: jnp.sum(f(x, s).astype(jnp.float32) * w)

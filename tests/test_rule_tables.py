@@ -1,4 +1,6 @@
-"""The interpreter dispatches first-order primitives through two tables."""
+"""Per-primitive facts keyed by primitive object, and the class rules."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,24 +9,90 @@ import pytest
 
 import mpolicy
 from mpolicy._src import dtypes
-from mpolicy._src import first_order
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules
 from mpolicy._src import recording
-from _helpers import walk_eqns
+from mpolicy._src.rules import base
+from mpolicy._src.rules import classes
+from mpolicy._src.rules import facts
+from _helpers import all_eqns, walk_eqns
 
 HALF = "p=f32,c=bf16,o=f32"
 
 
+@pytest.fixture
+def patched_facts(monkeypatch):
+  """Changes one primitive's facts for one test."""
+  def patch(prim, **changes):
+    monkeypatch.setitem(facts._FACTS, prim,  # pylint: disable=protected-access
+                        dataclasses.replace(facts.of(prim), **changes))
+  return patch
+
+
 def test_class_table_has_one_rule_per_class():
-  assert set(first_order.CLASS_RULES) == {
-      *op_rules.CLASSES, None, first_order.AS_WRITTEN}
+  assert set(classes.CLASS_RULES) == {*op_rules.CLASSES, None, base.AS_WRITTEN}
 
 
-def test_special_table_is_keyed_by_primitive_object():
-  assert jax_compat.convert_element_type_p in first_order.SPECIAL_RULES
-  assert jax_compat.bitcast_convert_type_p in first_order.SPECIAL_RULES
-  assert all(hasattr(p, "bind") for p in first_order.SPECIAL_RULES)
+def test_facts_are_keyed_by_primitive_object():
+  assert facts.of(jax_compat.convert_element_type_p).special is not None
+  assert facts.of(jax_compat.bitcast_convert_type_p).special is not None
+  assert all(hasattr(p, "bind")
+             for p in facts._FACTS)  # pylint: disable=protected-access
+  assert facts.of(jax.lax.exp_p).elementwise
+  assert facts.of(jax.lax.add_p).broadcasts
+  assert facts.of(jax.lax.reshape_p).keeps_param
+  assert facts.of(jax.lax.dot_general_p).lower is not None
+
+
+def test_default_rules_are_the_registered_classes():
+  table = facts.default_table()
+  assert op_rules.DEFAULT_RULES == op_rules.OpRules(table)
+  assert table["dot_general"][0] == "lower"
+  assert table["exp"][0] == "full" and table["concatenate"][0] == "promote"
+
+
+def test_register_checks_its_input():
+  with pytest.raises(TypeError, match="unknown facts.*elementwsie"):
+    facts.register(jax.lax.exp_p, elementwsie=True)
+  with pytest.raises(ValueError, match="op_class must be one of"):
+    facts.register(jax.lax.exp_p, op_class="fp32")
+  with pytest.raises(ValueError, match="needs a reason"):
+    facts.register(jax.lax.tanh_p, op_class="full")
+  assert facts.of(jax.lax.tanh_p).op_class is None  # Nothing was kept.
+
+
+def _my_exp_primitive():
+  """A primitive of the user's: exp, as its own primitive."""
+  my_exp_p = jax_compat.new_primitive("my_test_exp")
+  my_exp_p.def_impl(jnp.exp)
+  my_exp_p.def_abstract_eval(lambda x: x)
+  jax_compat.define_lowering(my_exp_p, jnp.exp)
+  return my_exp_p
+
+
+def test_adding_an_elementwise_float32_op_is_one_line():
+  my_exp_p = _my_exp_primitive()
+  g = lambda x: my_exp_p.bind(x * 2)
+  f = mpolicy.amp(g, "p=f32,c=bf16,o=bf16")
+  x = jnp.ones(4, jnp.bfloat16)
+  (eqn,) = [e for e in all_eqns(f, x) if e.primitive is my_exp_p]
+  assert eqn.invars[0].aval.dtype == jnp.bfloat16  # Unknown: runs as given.
+  try:
+    facts.register(my_exp_p, op_class=facts.FULL, elementwise=True,
+                   reason="my exp overflows half")  # The one line.
+    assert op_rules.default_rules().class_of("my_test_exp") == "full"
+    f = mpolicy.amp(g, "p=f32,c=bf16,o=bf16")  # Takes the rules in force.
+    (row,) = [r for r in _rows(f, x) if r.primitive == "my_test_exp"]
+    assert row.decided_by.startswith("full: my exp overflows half")
+    (eqn,) = [e for e in all_eqns(f, x) if e.primitive is my_exp_p]
+    assert eqn.invars[0].aval.dtype == jnp.float32  # Computed in float32,
+    assert f(x).dtype == jnp.bfloat16  # stored in bfloat16 (element-wise);
+    np.testing.assert_allclose(np.asarray(f(x), np.float32),
+                               np.exp(2.0), rtol=1e-2)
+  finally:
+    facts.unregister(my_exp_p)
+  assert op_rules.default_rules() == op_rules.DEFAULT_RULES
+  assert "my_test_exp" not in op_rules.DEFAULT_RULES
 
 
 def _rows(fn, *args):
@@ -33,16 +101,16 @@ def _rows(fn, *args):
   return rows
 
 
-def test_a_special_rule_registered_for_a_primitive_runs(monkeypatch):
+def test_a_special_rule_registered_for_a_primitive_runs(patched_facts):
   calls = []
 
   def neg_in_f32(op):
     calls.append(op.prim.name)
     op.rule, op.why = "special", "test rule"
     op.args = [op.env.cast(op.args[0], jnp.float32)]
-    return first_order.bind(op.eqn, op.args)
+    return base.bind(op.eqn, op.args)
 
-  monkeypatch.setitem(first_order.SPECIAL_RULES, jax.lax.neg_p, neg_in_f32)
+  patched_facts(jax.lax.neg_p, special=neg_in_f32)
   f = mpolicy.amp(lambda x: -x)
   x = jnp.ones(3, jnp.bfloat16)
   (row,) = [r for r in _rows(f, x) if r.primitive == "neg"]
@@ -55,9 +123,9 @@ def test_a_special_rule_registered_for_a_primitive_runs(monkeypatch):
   assert "neg" in calls
 
 
-def test_a_special_rule_that_declines_falls_through_to_the_class(monkeypatch):
-  monkeypatch.setitem(first_order.SPECIAL_RULES, jax.lax.exp_p,
-                      lambda op: None)
+def test_a_special_rule_that_declines_falls_through_to_the_class(
+    patched_facts):
+  patched_facts(jax.lax.exp_p, special=lambda op: None)
   x = jnp.ones(3, jnp.bfloat16)
   (row,) = [r for r in _rows(mpolicy.amp(jnp.exp), x)
             if r.primitive == "exp"]
@@ -69,9 +137,9 @@ def test_a_class_rule_replaced_in_the_table_is_used(monkeypatch):
 
   def promote_spy(op):
     seen.append(op.prim.name)
-    return first_order.CLASS_RULES[None](op)
+    return classes.CLASS_RULES[None](op)
 
-  monkeypatch.setitem(first_order.CLASS_RULES, op_rules.PROMOTE, promote_spy)
+  monkeypatch.setitem(classes.CLASS_RULES, op_rules.PROMOTE, promote_spy)
   f = mpolicy.amp(lambda a, b: jnp.concatenate([a, b]))
   out = f(jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.float32))
   assert seen == ["concatenate"]

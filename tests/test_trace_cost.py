@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpolicy
-from mpolicy._src import lowp
+from mpolicy._src.rules import amp_primitive
 
 
 def _layers(x, ws):
@@ -19,7 +19,7 @@ def _misses(depth):
   x = jnp.ones((4, 16))
   f = jax.jit(jax.value_and_grad(mpolicy.amp(_layers, "p=f32,c=bf16,o=f32"),
                                  argnums=1))
-  lowp._cached_abstract_eval.cache_clear()
+  amp_primitive._cached_abstract_eval.cache_clear()
   value, grads = f(x, ws)
   # The cached avals give the numbers plain JAX gives, to bf16 accuracy.
   ref_value, ref_grads = jax.value_and_grad(_layers, argnums=1)(x, ws)
@@ -27,7 +27,7 @@ def _misses(depth):
   for g, r in zip(grads, ref_grads):
     assert g.dtype == jnp.float32
     np.testing.assert_allclose(g, r, rtol=5e-2, atol=1e-3)
-  return lowp._cached_abstract_eval.cache_info()
+  return amp_primitive._cached_abstract_eval.cache_info()
 
 
 def test_matmul_avals_are_derived_once_per_shape_not_once_per_layer():
@@ -46,7 +46,7 @@ def test_an_unhashable_param_is_traced_afresh():
     return a + b
 
   for _ in range(2):
-    out = lowp._abstract_eval(composite, aval, aval, tag=["unhashable"])
+    out = amp_primitive._abstract_eval(composite, aval, aval, tag=["unhashable"])
     assert out.shape == (2, 3) and out.dtype == jnp.float32
   assert len(calls) == 2
 

@@ -178,7 +178,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   Returns:
     The interpreted function, marked so that `explain` recognises it.
   """
-  rules = op_rules_lib.DEFAULT_RULES if rules is None else rules
+  rules = op_rules_lib.default_rules() if rules is None else rules
   if not isinstance(rules, op_rules_lib.OpRules):
     raise TypeError(f"rules must be an OpRules table, got {rules!r}")
   pol = None if policy is None else policy_lib.get_policy(policy)

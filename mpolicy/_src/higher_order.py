@@ -43,9 +43,7 @@ def _avals_like(invars, vals) -> list:
   return out
 
 
-def _bind(eqn, args, **new_params) -> list:
-  out = jax_compat.bind(eqn.primitive, args, dict(eqn.params, **new_params))
-  return list(out) if eqn.primitive.multiple_results else [out]
+_bind = jax_compat.bind_with
 
 
 def _closed(jaxpr) -> jax_compat.ClosedJaxpr:
@@ -61,56 +59,48 @@ def _carry_dtypes(vals) -> list:
 # --- Rules ------------------------------------------------------------------
 
 
-def _call_rule(param: str) -> Callable[..., list]:
+def _call(scope, eqn, invals):
   """`jit`/`closed_call`: one closed sub-jaxpr over all operands."""
-
-  def rule(scope, eqn, invals):
-    closed = eqn.params[param]
-    new = scope.trace(closed, _avals_like(closed.jaxpr.invars, invals))
-    return _bind(eqn, invals, **{param: new})
-
-  return rule
+  closed = jax_compat.sub_jaxpr(eqn)
+  new = scope.trace(closed, _avals_like(closed.jaxpr.invars, invals))
+  return _bind(eqn, invals, body=new)
 
 
-def _open_call_rule(param: str) -> Callable[..., list]:
+def _open_call(scope, eqn, invals):
   """`call`/`checkpoint`: one open sub-jaxpr; new consts become operands."""
-
-  def rule(scope, eqn, invals):
-    jaxpr = eqn.params[param]
-    new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
-    new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
-    return _bind(eqn, [*consts, *invals], **{param: new_jaxpr})
-
-  return rule
+  jaxpr = jax_compat.sub_jaxpr(eqn)
+  new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
+  new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
+  return _bind(eqn, [*consts, *invals], body=new_jaxpr)
 
 
 def _scan(scope, eqn, invals):
   n_consts, n_carry = jax_compat.scan_counts(eqn.params)
-  body = eqn.params["jaxpr"]
+  body = jax_compat.sub_jaxpr(eqn)
   carry = invals[n_consts:n_consts + n_carry]
   n_ys = len(body.jaxpr.outvars) - n_carry
   new = scope.trace(body, _avals_like(body.jaxpr.invars, invals),
                     out_dtypes=_carry_dtypes(carry) + [None] * n_ys)
-  return _bind(eqn, invals, jaxpr=new)
+  return _bind(eqn, invals, body=new)
 
 
 def _while(scope, eqn, invals):
-  p = eqn.params
-  n_cond, n_body = jax_compat.while_counts(p)
+  n_cond, n_body = jax_compat.while_counts(eqn.params)
   cond_consts = invals[:n_cond]
   body_consts = invals[n_cond:n_cond + n_body]
   carry = invals[n_cond + n_body:]
-  cond_j, body_j = p["cond_jaxpr"], p["body_jaxpr"]
+  cond_j = jax_compat.sub_jaxpr(eqn, "cond")
+  body_j = jax_compat.sub_jaxpr(eqn, "body")
   new_cond = scope.trace(
       cond_j, _avals_like(cond_j.jaxpr.invars, [*cond_consts, *carry]))
   new_body = scope.trace(
       body_j, _avals_like(body_j.jaxpr.invars, [*body_consts, *carry]),
       out_dtypes=_carry_dtypes(carry))
-  return _bind(eqn, invals, cond_jaxpr=new_cond, body_jaxpr=new_body)
+  return _bind(eqn, invals, cond=new_cond, body=new_body)
 
 
 def _cond(scope, eqn, invals):
-  branches = eqn.params["branches"]
+  branches = jax_compat.sub_jaxpr(eqn, "branches")
   operands = invals[1:]
   avals = [_avals_like(b.jaxpr.invars, operands) for b in branches]
   probes = [scope.trace(b, a, quiet=True) for b, a in zip(branches, avals)]
@@ -127,16 +117,15 @@ def _cond(scope, eqn, invals):
 def _custom_jvp(scope, eqn, invals):
   """The primal and the custom JVP rule both run under the rules, at the
   operands' dtypes; the rule's outputs follow the primal's output dtypes."""
-  p = eqn.params
-  call = p["call_jaxpr"]
-  n_consts = jax_compat.custom_jvp_num_consts(p)
+  call = jax_compat.sub_jaxpr(eqn)
+  n_consts = jax_compat.custom_jvp_num_consts(eqn.params)
   new_call = scope.trace(call, _avals_like(call.jaxpr.invars, invals))
-  old_jvp = p["jvp_jaxpr_fun"]
+  old_jvp = jax_compat.sub_jaxpr(eqn, "jvp")
   primal_avals = _avals_like(call.jaxpr.invars[n_consts:], invals[n_consts:])
   out_dtypes = [a.dtype for a in new_call.out_avals]
 
   def jvp_jaxpr_fun(*zeros):
-    jvp_jaxpr, jvp_consts, out_zeros = old_jvp.call_wrapped(*zeros)
+    jvp_jaxpr, jvp_consts, out_zeros = jax_compat.call_thunk(old_jvp, *zeros)
     closed = jax_compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
     tangent_avals = [jax_compat.tangent_aval(a)
                      for a, z in zip(primal_avals, zeros) if not z]
@@ -151,46 +140,45 @@ def _custom_jvp(scope, eqn, invals):
                             quiet=True, cast_inputs_to=closed.in_avals)
     return new_jvp.jaxpr, new_jvp.consts, out_zeros
 
-  return _bind(eqn, invals, call_jaxpr=new_call,
-               jvp_jaxpr_fun=jax_compat.wrap_thunk(jvp_jaxpr_fun, old_jvp))
+  return _bind(eqn, invals, body=new_call,
+               jvp=jax_compat.wrap_thunk(jvp_jaxpr_fun, old_jvp))
 
 
 def _custom_vjp(scope, eqn, invals):
   """The custom VJP rule sees the dtypes it was written for: operands are
   cast to those, and the primal and forward rule (both under the rules)
   return them."""
-  p = eqn.params
-  call = p["call_jaxpr"]
+  call = jax_compat.sub_jaxpr(eqn)
   traced_in = [a.dtype for a in call.in_avals]
   args = [scope.cast(x, d) for x, d in zip(invals, traced_in)]
   out_dtypes = [a.dtype for a in call.out_avals]
   new_call = scope.trace(call, call.in_avals, out_dtypes=out_dtypes)
-  old_fwd = p["fwd_jaxpr_thunk"]
+  old_fwd = jax_compat.sub_jaxpr(eqn, "fwd")
 
   def fwd_jaxpr_thunk(*nonzeros):
-    fwd_jaxpr, fwd_consts = old_fwd.call_wrapped(*nonzeros)
+    fwd_jaxpr, fwd_consts = jax_compat.call_thunk(old_fwd, *nonzeros)
     fwd = jax_compat.ClosedJaxpr(fwd_jaxpr, fwd_consts)
     new_fwd = scope.trace(fwd, fwd.in_avals,
                           out_dtypes=[a.dtype for a in fwd.out_avals],
                           quiet=True)
     return new_fwd.jaxpr, new_fwd.consts
 
-  return _bind(eqn, args, call_jaxpr=new_call,
-               fwd_jaxpr_thunk=jax_compat.wrap_thunk(fwd_jaxpr_thunk, old_fwd))
+  return _bind(eqn, args, body=new_call,
+               fwd=jax_compat.wrap_thunk(fwd_jaxpr_thunk, old_fwd))
 
 
 def _shard_map(scope, eqn, invals):
   """The body is traced again inside its mesh axes (for `pvary` and
   collectives), at the dtypes its operands now have."""
-  jaxpr = eqn.params["jaxpr"]
-  with jax_compat.shard_map_body_context(eqn.params):
+  jaxpr = jax_compat.sub_jaxpr(eqn)
+  with jax_compat.shard_map_body_context(eqn):
     new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
   new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
   if consts:
     raise UnsupportedPrimitiveError(
         "mpolicy: a shard_map body gained constants while being interpreted; "
         "pass them as arguments to the shard_map-ed function instead")
-  return _bind(eqn, invals, jaxpr=new_jaxpr)
+  return _bind(eqn, invals, body=new_jaxpr)
 
 
 def _as_traced(scope, eqn, invals):
@@ -201,18 +189,18 @@ def _as_traced(scope, eqn, invals):
 
 
 _RULES: dict[Any, Callable[..., list]] = {
-    jax_compat.jit_p: _call_rule("jaxpr"),
+    jax_compat.jit_p: _call,
     jax_compat.scan_p: _scan,
     jax_compat.while_p: _while,
     jax_compat.cond_p: _cond,
-    jax_compat.remat_p: _open_call_rule("jaxpr"),
+    jax_compat.remat_p: _open_call,
     jax_compat.custom_jvp_call_p: _custom_jvp,
     jax_compat.custom_vjp_call_p: _custom_vjp,
 }
 if jax_compat.closed_call_p is not None:
-  _RULES[jax_compat.closed_call_p] = _call_rule("call_jaxpr")
+  _RULES[jax_compat.closed_call_p] = _call
 if jax_compat.core_call_p is not None:
-  _RULES[jax_compat.core_call_p] = _open_call_rule("call_jaxpr")
+  _RULES[jax_compat.core_call_p] = _open_call
 if jax_compat.shard_map_p is not None:
   _RULES[jax_compat.shard_map_p] = _shard_map
 if jax_compat.linear_solve_p is not None:

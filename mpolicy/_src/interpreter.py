@@ -8,8 +8,7 @@ registry pattern, or `amp`'s own ``policy``), then hands it on:
 
 * a higher-order primitive to its rule in `higher_order`, which re-traces
   its sub-jaxprs through `Scope.trace`;
-* any other primitive to `first_order.run`, which looks it up in the rule
-  tables.
+* any other primitive to `rules.run`, which looks up its rules.
 
 The environment (`Env`) holds the values and caches casts per (value,
 dtype), so a parameter used three times is cast once, and an up-cast
@@ -26,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import dtypes
-from mpolicy._src import first_order
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import recording
 from mpolicy._src import regions
 from mpolicy._src import registry
+from mpolicy._src import rules
 from mpolicy._src import widen
 
 
@@ -293,7 +292,7 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
         region = config.region(names)
         if region is None or not region.full_precision:
           higher_order.check_first_order(eqn)
-        outs = first_order.run(env, eqn, invals, config.rules, region, names,
+        outs = rules.run(env, eqn, invals, config.rules, region, names,
                                quiet=config.quiet)
     for var, out in zip(eqn.outvars, outs):
       if not isinstance(var, jax_compat.DropVar):
@@ -309,7 +308,7 @@ def _read_only_by_full(jaxpr, rules) -> set:
     full = ((rules.class_of(eqn.primitive.name) == op_rules_lib.FULL
              and higher_order.rule_for(eqn.primitive) is None)
             or (eqn.primitive is jax_compat.convert_element_type_p
-                and np.dtype(eqn.params["new_dtype"]) == jnp.float32))
+                and jax_compat.cast_target(eqn)[0] == jnp.float32))
     for v in eqn.invars:
       if not isinstance(v, jax_compat.Literal):
         readers[v] = readers.get(v, True) and full

@@ -13,7 +13,8 @@ Every primitive not in the table runs in the dtype of its inputs.
 
 The table is data: a primitive name maps to its class and a one-line reason
 that `explain` shows. `DEFAULT_RULES` follows PyTorch autocast's op lists,
-translated to JAX primitives; `OpRules.with_ops` derives a new table, and
+translated to JAX primitives: it is built from the classes each primitive
+family registers (`rules.facts`); `OpRules.with_ops` derives a new table, and
 `OpRules.with_rule` hands one primitive to a function of the user's.
 Primitive names are checked against the primitives JAX (and mpolicy)
 define, so a typo is an error rather than a rule that never fires.
@@ -39,82 +40,16 @@ from typing import Any, Optional, Union
 
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
+from mpolicy._src import rules as _families  # pylint: disable=unused-import  (registers their facts)
+from mpolicy._src.rules import custom
+from mpolicy._src.rules import facts as facts_lib
 
-LOWER = "lower"
-FULL = "full"
-PROMOTE = "promote"
-CLASSES = (LOWER, FULL, PROMOTE)
+LOWER = facts_lib.LOWER
+FULL = facts_lib.FULL
+PROMOTE = facts_lib.PROMOTE
+CLASSES = facts_lib.CLASSES
 
 Names = Union[str, Iterable[str]]
-
-_LOWER_MATMUL = "matmul family: half inputs, float32 accumulation (autocast fp16 list)"
-_LOWER_CONV = "convolution: half inputs, float32 accumulation (autocast fp16 list)"
-_FULL_TRANSCENDENTAL = "range/precision loss in half (autocast fp32 list)"
-_FULL_SUM = "sums many values: accumulate in float32 (autocast fp32 list)"
-_PROMOTE = "combines several inputs: widest dtype (autocast promote list)"
-_FULL_LINALG = ("linear algebra: no half kernels, unstable in half "
-                "(autocast fp32 list)")
-
-# One entry per primitive: (class, reason). Names are `Primitive.name`.
-_DEFAULT_TABLE: dict[str, tuple[str, str]] = {
-    # lower: the matmul and convolution family.
-    "dot_general": (LOWER, _LOWER_MATMUL),
-    "ragged_dot_general": (LOWER, _LOWER_MATMUL),
-    "conv_general_dilated": (LOWER, _LOWER_CONV),
-    # full: exponentials, logarithms and powers.
-    "exp": (FULL, "exp overflows half beyond ~11 (autocast fp32 list)"),
-    "exp2": (FULL, "exp2 overflows half (autocast fp32 list)"),
-    "expm1": (FULL, "expm1 loses precision near 0 in half (autocast fp32 list)"),
-    "log": (FULL, "log loses precision in half (autocast fp32 list)"),
-    "log1p": (FULL, "log1p loses precision near 0 in half (autocast fp32 list)"),
-    "pow": (FULL, "pow overflows half (autocast fp32 list)"),
-    "integer_pow": (FULL, "x**n overflows float16, and squares summed in "
-                    "half lose the small terms of E[x^2] - E[x]^2 "
-                    "(autocast fp32 list: pow)"),
-    "square": (FULL, "x**2 overflows float16, and squares summed in half "
-               "lose the small terms of E[x^2] - E[x]^2 "
-               "(autocast fp32 list: pow)"),
-    "rsqrt": (FULL, "rsqrt of small variances overflows half (autocast fp32 list)"),
-    "erf_inv": (FULL, "erf_inv diverges near +-1 (autocast fp32 list)"),
-    "lgamma": (FULL, "lgamma overflows half (autocast fp32 list)"),
-    "digamma": (FULL, "digamma loses precision in half (autocast fp32 list)"),
-    "polygamma": (FULL, _FULL_TRANSCENDENTAL),
-    "igamma": (FULL, _FULL_TRANSCENDENTAL),
-    "igammac": (FULL, _FULL_TRANSCENDENTAL),
-    "zeta": (FULL, _FULL_TRANSCENDENTAL),
-    "regularized_incomplete_beta": (FULL, _FULL_TRANSCENDENTAL),
-    "bessel_i0e": (FULL, _FULL_TRANSCENDENTAL),
-    "bessel_i1e": (FULL, _FULL_TRANSCENDENTAL),
-    "acos": (FULL, "acos loses precision near +-1 (autocast fp32 list)"),
-    "asin": (FULL, "asin loses precision near +-1 (autocast fp32 list)"),
-    "cosh": (FULL, "cosh overflows half (autocast fp32 list)"),
-    "sinh": (FULL, "sinh overflows half (autocast fp32 list)"),
-    "tan": (FULL, "tan loses precision near poles (autocast fp32 list)"),
-    # full: reductions and scans that sum (or multiply) many values.
-    "reduce_sum": (FULL, _FULL_SUM),
-    "reduce_prod": (FULL, "products of many values overflow half (autocast fp32 list)"),
-    "reduce_window_sum": (FULL, _FULL_SUM),
-    "cumsum": (FULL, _FULL_SUM),
-    "cumprod": (FULL, "products of many values overflow half (autocast fp32 list)"),
-    "cumlogsumexp": (FULL, _FULL_SUM),
-    # full: linear algebra. LAPACK has no half kernels, and decompositions
-    # and solves lose too much in half (autocast runs them in float32).
-    **{name: (FULL, _FULL_LINALG) for name in (
-        "cholesky", "cholesky_update", "eig", "eigh", "hessenberg",
-        "householder_product", "lu", "ormqr", "qr", "schur", "svd",
-        "symmetric_product", "triangular_solve", "tridiagonal",
-        "tridiagonal_solve")},
-    # promote: operations that combine several inputs into one array.
-    "concatenate": (PROMOTE, _PROMOTE),
-    "select_n": (PROMOTE, _PROMOTE),
-    "dynamic_update_slice": (PROMOTE, _PROMOTE),
-    "scatter": (PROMOTE, _PROMOTE),
-    "scatter-add": (PROMOTE, _PROMOTE),
-    "scatter-mul": (PROMOTE, _PROMOTE),
-    "pad": (PROMOTE, _PROMOTE),
-    "clamp": (PROMOTE, _PROMOTE),
-    "atan2": (PROMOTE, _PROMOTE),
-}
 
 
 RuleFn = Callable[..., Any]
@@ -136,29 +71,10 @@ def known_primitive_names() -> frozenset[str]:
   See also: `OpRules.with_ops`, `OpRules.with_rule` (their ``strict``).
   """
   return (jax_compat.primitive_names(("jax", "mpolicy"))
-          | frozenset(_DEFAULT_TABLE))
+          | frozenset(facts_lib.default_table()))
 
 
-def rule_name(fn: RuleFn) -> str:
-  """How `explain` names a custom rule: its module-qualified name.
-
-  Args:
-    fn: a rule function, possibly a `functools.partial`.
-
-  Returns:
-    ``"module.qualname"``, or ``"partial(module.qualname)"`` for a partial.
-
-  >>> import functools
-  >>> rule_name(functools.partial(rule_name))
-  'partial(mpolicy._src.op_rules.rule_name)'
-  """
-  inner = fn.func if hasattr(fn, "func") and callable(fn.func) else fn
-  name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
-  if name is None:
-    return repr(fn)
-  module = getattr(inner, "__module__", None)
-  name = f"{module}.{name}" if module and module != "builtins" else name
-  return f"partial({name})" if inner is not fn else name
+rule_name = custom.rule_name
 
 
 def _check_known(names: Iterable[str], where: str, known: frozenset[str],
@@ -457,5 +373,24 @@ class OpRules:
     return f"OpRules({', '.join(parts)})"
 
 
-DEFAULT_RULES = OpRules(_DEFAULT_TABLE)
+DEFAULT_RULES = OpRules(facts_lib.default_table())
 """The shipped table: PyTorch autocast's lists translated to JAX primitives."""
+
+_defaults = (facts_lib.version(), DEFAULT_RULES)
+
+
+def default_rules() -> OpRules:
+  """The table `amp` and `transform_amp` take when called without one.
+
+  `DEFAULT_RULES`, plus whatever was registered in `rules.facts` after
+  it was built (a primitive of your own, registered with one line).
+
+  >>> default_rules() == DEFAULT_RULES
+  True
+  """
+  global _defaults
+  version, table = _defaults
+  if version != facts_lib.version():
+    table = OpRules(facts_lib.default_table())
+    _defaults = (facts_lib.version(), table)
+  return table

@@ -4,7 +4,7 @@ A `Policy` is three dtypes and three casts. `get_policy` parses policy
 strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
 
 The compute dtype may also be float8 (`float8_e4m3fn`, written `f8`): then
-matmuls and convolutions run in float8 with per-tensor scales (see `fp8`),
+matmuls and convolutions run in float8 with per-tensor scales (see `rules.fp8_scaling`),
 and everything else runs as under a bfloat16 compute dtype
 (`elementwise_dtype`).
 

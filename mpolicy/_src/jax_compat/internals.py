@@ -1,14 +1,7 @@
-"""The one place where mpolicy touches JAX internals.
+"""JAX internals: every import of `jax._src` and `jax.extend` in mpolicy.
 
-Every import of JAX's private modules (`jax._src`) and of `jax.extend`
-lives here, and the rules read higher-order params only through the
-readers below, which accept each shape the supported JAX versions (0.10.2
-to 0.12) use: a scan's counts as ``num_consts``/``num_carry`` (0.10) or as
-the flat trees ``ft_in``/``ft_out`` (0.11 and later). Supporting another JAX
-version means changing this file only.
-
-Nothing in this module knows about policies: it only offers small,
-version-independent helpers over name stacks, jaxprs and primitives.
+Small, version-independent helpers over name stacks, jaxprs and
+primitives. Nothing here knows about policies.
 """
 
 from __future__ import annotations
@@ -163,17 +156,16 @@ except (ImportError, AttributeError):  # Older JAX: jax.experimental.
 
 
 @contextlib.contextmanager
-def shard_map_body_context(params) -> Iterator[None]:
-  """Where a `shard_map` body (eqn ``params``) may be traced again.
+def manual_axes_context(mesh, manual: frozenset,
+                        check_vma: Optional[bool]) -> Iterator[None]:
+  """Where a `shard_map` body over ``mesh``, manual over ``manual``, may be
+  traced again.
 
-  Inside, the mesh axes the body is manual over are bound (so `pvary` and
-  collectives such as `psum` find them), the abstract mesh marks them
-  manual, and varying-axes checking is as the equation asked: what JAX
+  Inside, the manual mesh axes are bound (so `pvary` and collectives such
+  as `psum` find them), the abstract mesh marks them manual, and
+  varying-axes checking is ``check_vma`` (unchanged if ``None``): what JAX
   itself sets up when it traces a `shard_map` body.
   """
-  mesh = params["mesh"]
-  manual = frozenset(params.get("newly_manual_axes",
-                                params.get("manual_axes", ())))
   manual_all = manual | frozenset(getattr(mesh, "manual_axes", ()))
   abstract = mesh.abstract_mesh.update_axis_types(
       {n: jax.sharding.AxisType.Manual for n in manual})
@@ -181,8 +173,8 @@ def shard_map_body_context(params) -> Iterator[None]:
     stack.enter_context(_core.extend_axis_env_nd(
         [(k, v) for k, v in mesh.shape.items() if k in manual_all]))
     stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
-    if "check_vma" in params:
-      stack.enter_context(_config._check_vma(params["check_vma"]))  # pylint: disable=protected-access
+    if check_vma is not None:
+      stack.enter_context(_config._check_vma(check_vma))  # pylint: disable=protected-access
     yield
 
 
@@ -232,23 +224,17 @@ CALLBACK_PRIMITIVES = frozenset(
     ) if p is not None)
 
 
-_primitive_names_cache: dict = {}
+_primitives_cache: dict = {}
 
 
-def primitive_names(packages=("jax",)) -> frozenset[str]:
-  """Names of the primitives defined in the loaded modules of ``packages``.
-
-  Every `Primitive` object found at the top level of a loaded module of
-  one of those packages (``jax`` covers `jax.lax`, its linear algebra,
-  collectives, control flow, random numbers, ...), plus every primitive
-  that has a lowering. Cached until more modules are loaded.
-  """
-  packages = tuple(packages)
+def _primitives(packages: tuple[str, ...]) -> dict:
+  """Name -> `Primitive` for the primitives of ``packages``' loaded modules
+  (cached until more modules are loaded)."""
   key = (packages, len(sys.modules))
-  hit = _primitive_names_cache.get(key)
+  hit = _primitives_cache.get(key)
   if hit is not None:
     return hit
-  names = {p.name for p in _mlir._lowerings}  # pylint: disable=protected-access
+  found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
   for module_name, module in list(sys.modules.items()):
     if module is None or not any(module_name == p or
                                  module_name.startswith(p + ".")
@@ -258,10 +244,29 @@ def primitive_names(packages=("jax",)) -> frozenset[str]:
       values = list(vars(module).values())
     except TypeError:
       continue
-    names.update(v.name for v in values if isinstance(v, jex_core.Primitive))
-  _primitive_names_cache.clear()
-  _primitive_names_cache[key] = result = frozenset(names)
-  return result
+    found.update((v.name, v) for v in values
+                 if isinstance(v, jex_core.Primitive))
+  _primitives_cache.clear()
+  _primitives_cache[key] = found
+  return found
+
+
+def primitive_names(packages=("jax",)) -> frozenset[str]:
+  """Names of the primitives defined in the loaded modules of ``packages``.
+
+  Every `Primitive` object found at the top level of a loaded module of
+  one of those packages (``jax`` covers `jax.lax`, its linear algebra,
+  collectives, control flow, random numbers, ...), plus every primitive
+  that has a lowering.
+  """
+  return frozenset(_primitives(tuple(packages)))
+
+
+def primitives_named(names) -> list:
+  """The `Primitive` objects of JAX's with these names; names the
+  installed JAX does not define are left out."""
+  found = _primitives(("jax",))
+  return [found[n] for n in names if n in found]
 
 
 def jaxprs_in_params(params) -> list:
@@ -308,112 +313,14 @@ def open_jaxpr_with_consts_first(closed: ClosedJaxpr):
   return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
 
 
+def call_thunk(thunk, *args):
+  """Calls a `lu.WrappedFun` (a custom rule's jaxpr thunk) on ``args``."""
+  return thunk.call_wrapped(*args)
+
+
 def wrap_thunk(fn, like):
   """A `lu.WrappedFun` calling ``fn``, with the debug info of ``like``."""
   return _lu.wrap_init(fn, debug_info=like.debug_info)
-
-
-# --- Reading higher-order params ------------------------------------------
-#
-# The params of a higher-order primitive are JAX's private bookkeeping, and
-# they change shape between releases. The readers below accept every shape
-# mpolicy supports, so the rules in `higher_order` never read a raw key.
-
-
-def _leaf_count(group, where: str) -> int:
-  try:
-    return len(group)
-  except TypeError as e:
-    raise TypeError(f"mpolicy: cannot count the operands in {where}: got "
-                    f"{type(group).__name__}, expected a sized group") from e
-
-
-def _unpacked(tree, arity: int, where: str) -> tuple:
-  unpack = getattr(tree, "unpack", None)
-  groups = unpack() if callable(unpack) else tree
-  if not isinstance(groups, (tuple, list)) or len(groups) != arity:
-    raise TypeError(f"mpolicy: expected {where} to split into {arity} groups, "
-                    f"got {groups!r}")
-  return tuple(groups)
-
-
-def scan_counts(params) -> tuple[int, int]:
-  """``(n_consts, n_carry)`` of a `scan` equation's params.
-
-  A scan's operands are its consts, then its carry, then its scanned inputs.
-  Accepts the counts as ``num_consts`` and ``num_carry`` (JAX 0.10) or as
-  flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry, ys), whose
-  groups have a length (JAX 0.11 and later).
-
-  Args:
-    params: the params of a `scan` equation (a mapping).
-
-  Returns:
-    The number of leading const operands and of carry operands.
-
-  Raises:
-    KeyError: the params have neither form (an unsupported JAX).
-
-  >>> scan_counts({"num_consts": 1, "num_carry": 2})
-  (1, 2)
-
-  See also: `while_counts`.
-  """
-  if "num_consts" in params and "num_carry" in params:
-    return int(params["num_consts"]), int(params["num_carry"])
-  if "ft_in" in params:
-    consts, carry, _ = _unpacked(params["ft_in"], 3, "scan's ft_in")
-    return (_leaf_count(consts, "scan's consts"),
-            _leaf_count(carry, "scan's carry"))
-  raise KeyError(
-      "mpolicy: a scan equation has neither num_consts/num_carry nor ft_in "
-      f"in its params ({sorted(params)}); this JAX version is not supported")
-
-
-def while_counts(params) -> tuple[int, int]:
-  """``(cond_nconsts, body_nconsts)`` of a `while` equation's params.
-
-  The operands are the cond's consts, the body's consts, then the carry.
-  Read here, like every higher-order param, so version differences stay in
-  this module.
-
-  Args:
-    params: the params of a `while` equation (a mapping).
-
-  Returns:
-    The number of leading const operands of the cond and of the body.
-
-  Raises:
-    KeyError: the params lack the counts (an unsupported JAX).
-
-  >>> while_counts({"cond_nconsts": 0, "body_nconsts": 3})
-  (0, 3)
-
-  See also: `scan_counts`.
-  """
-  try:
-    return int(params["cond_nconsts"]), int(params["body_nconsts"])
-  except KeyError as e:
-    raise KeyError(
-        "mpolicy: a while equation lacks cond_nconsts/body_nconsts in its "
-        f"params ({sorted(params)}); this JAX version is not supported") from e
-
-
-def custom_jvp_num_consts(params) -> int:
-  """The number of leading const operands of a `custom_jvp_call` equation.
-
-  Args:
-    params: the params of a `custom_jvp_call` equation (a mapping).
-
-  Returns:
-    How many of its operands are consts (0 when the param is absent).
-
-  >>> custom_jvp_num_consts({"num_consts": 2})
-  2
-
-  See also: `scan_counts`.
-  """
-  return int(params.get("num_consts", 0))
 
 
 # --- Defining a primitive ---------------------------------------------------
@@ -498,21 +405,22 @@ def tangent_aval(aval):
   return aval.to_tangent_aval()
 
 
-def conv_transpose_lhs(ct, lhs, rhs, **params):
-  """JAX's conv_general_dilated transpose for the lhs (its convs, its pads).
+def conv_transpose(side: str, ct, known, operand_aval, **params):
+  """JAX's own transpose of `conv_general_dilated` for one operand.
 
-  ``lhs`` is the undefined primal (read only through ``.aval``); ``params``
-  are the primitive's, ``preferred_element_type`` and ``out_sharding``
-  included.
+  ``side`` is ``"lhs"`` or ``"rhs"``, the operand whose cotangent is made;
+  ``known`` is the other operand, ``operand_aval`` the transposed one's
+  abstract value (shape, dtype, sharding). ``params`` are the primitive's,
+  ``preferred_element_type`` and ``out_sharding`` included. JAX's rule holds
+  the bookkeeping: flipped kernels, transposed specs, VJP paddings, group
+  axes reshaped in and out.
   """
-  return _convolution._conv_general_dilated_transpose_lhs(  # pylint: disable=protected-access
-      ct, lhs, rhs, **params)
-
-
-def conv_transpose_rhs(ct, lhs, rhs, **params):
-  """JAX's conv_general_dilated transpose for the rhs (see the lhs one)."""
+  undefined = _ad.UndefinedPrimal(operand_aval)
+  if side == "lhs":
+    return _convolution._conv_general_dilated_transpose_lhs(  # pylint: disable=protected-access
+        ct, undefined, known, **params)
   return _convolution._conv_general_dilated_transpose_rhs(  # pylint: disable=protected-access
-      ct, lhs, rhs, **params)
+      ct, known, undefined, **params)
 
 
 def conv_batch(batched_args, batch_dims, **params):
@@ -529,23 +437,24 @@ def conv_batch(batched_args, batch_dims, **params):
 __all__ = [
     "aval_of",
     "bind",
-    "broadcast_in_dim_p",
     "bitcast_convert_type_p",
     "bound_axis_names",
+    "broadcast_in_dim_p",
+    "CALLBACK_PRIMITIVES",
+    "call_thunk",
+    "called_jax_function",
     "check_vma_enabled",
     "closed_call_p",
     "ClosedJaxpr",
     "cond_p",
     "conv_batch",
     "conv_general_dilated_p",
-    "conv_transpose_lhs",
-    "conv_transpose_rhs",
+    "conv_transpose",
     "convert_element_type_p",
     "core_call_p",
     "current_name_stack",
     "current_scope_names",
     "custom_jvp_call_p",
-    "custom_jvp_num_consts",
     "custom_vjp_call_p",
     "define_batching",
     "define_bilinear",
@@ -559,24 +468,25 @@ __all__ = [
     "jaxprs_in_params",
     "jit_p",
     "linear_solve_p",
+    "Literal",
     "make_varying",
     "manual_axes",
-    "Literal",
+    "manual_axes_context",
     "new_primitive",
     "open_jaxpr_with_consts_first",
     "out_varying_axes",
     "primitive_names",
+    "primitives_named",
     "remat_p",
     "SCALAR_COMBINER_PRIMITIVES",
-    "scan_counts",
     "scan_p",
-    "shard_map_body_context",
+    "scope_names",
     "shard_map_p",
     "tangent_aval",
     "trace_to_closed_jaxpr",
-    "varying_axes",
     "Tracer",
-    "while_counts",
+    "user_source",
+    "varying_axes",
     "while_p",
     "with_dtype",
     "wrap_thunk",

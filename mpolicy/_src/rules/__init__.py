@@ -1,0 +1,26 @@
+"""The op rules: how each first-order primitive runs under a policy.
+
+One home per primitive family, each registering its facts (`facts`) beside
+the code they describe:
+
+* `classes`: the class rules (``lower``, ``full``, ``promote``, inputs, as
+  written) and the element-wise, reduction, linear-algebra and combining
+  primitives no family owns;
+* `special`: casts, bit reinterpretations, host callbacks, broadcasts and
+  gathers of down-cast values;
+* `matmul`, `conv`: each family's ``lower`` rule, its amp primitive and
+  its float8 variant (`amp_primitive`, `fp8_scaling`, `half_storage` hold
+  what they share);
+* `custom`: the user's rules (`OpRules.with_rule`);
+* `dispatch`: `run`, which looks the rules up in order.
+
+Importing this package registers every family.
+"""
+
+from mpolicy._src.rules import classes
+from mpolicy._src.rules import conv
+from mpolicy._src.rules import matmul
+from mpolicy._src.rules import special
+from mpolicy._src.rules.dispatch import run
+
+__all__ = ["classes", "conv", "matmul", "special", "run"]

@@ -1,0 +1,176 @@
+"""What every rule works with: the `Op` being run, the environment it may
+ask (`RuleEnv`), and binding an equation on re-typed operands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any, Optional, Protocol
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
+from mpolicy._src import policy as policy_lib
+from mpolicy._src import regions
+from mpolicy._src.rules import facts as facts_lib
+
+AS_WRITTEN = "as written"
+"""The class of every primitive inside `full_precision()`, and where a
+policy that computes in float32 or wider governs."""
+
+JAX_CAST = "jax cast"
+"""The rule of a cast that JAX made itself (a promotion inside ``jnp.mean``),
+not written in the code: counted neither as the code's nor as the rules'."""
+
+
+class RuleEnv(Protocol):
+  """What a rule may ask of the environment it runs in."""
+
+  full_only: set
+  """Variables read only by ``full`` ops (they keep float32 results)."""
+  inserted: int
+  """How many casts the environment has made (for `explain`)."""
+
+  def cast(self, x, dtype):
+    """``x`` as ``dtype``, made at most once per (value, dtype)."""
+
+  def wider_source(self, x):
+    """The wider value ``x`` was cast down from, else ``x``."""
+
+  def is_param(self, x) -> bool:
+    """Whether ``x`` is a parameter or input (or a re-arrangement of one)."""
+
+  def mark_param(self, x) -> None:
+    """Records ``x`` as a parameter or input."""
+
+
+@dataclasses.dataclass
+class Op:
+  """One equation being run, and what its rule decided.
+
+  Attributes:
+    eqn: the equation.
+    env: the environment (values, cached casts, which values are parameters).
+    rules: the `OpRules` table in force.
+    region: what governs the equation, or ``None``.
+    args: its arguments: as they arrived, then as the rule ran it (a rule
+      that casts them stores the cast ones here; `explain` reports their
+      dtypes unless ``ran_in`` says otherwise).
+    names: the scope names it was traced under, markers included.
+    op_class: the class the table gives it, or `AS_WRITTEN`.
+    policy: the governing policy, as elementwise ops see it (a float8
+      policy's elementwise dtype is bfloat16); ``None`` if none governs or
+      inside `full_precision()`.
+    fp8_dtype: the float8 dtype of a float8 policy, else ``None``.
+    rule, why, ran_in: what the rule decided, for `explain` (``ran_in`` is
+      set where the op runs in another dtype than its arguments).
+    note: what a rule that declined adds to the reason of the rule that ran.
+  """
+  eqn: Any
+  env: RuleEnv
+  rules: Any
+  region: Optional[regions.Region]
+  args: list
+  names: tuple[str, ...] = ()
+  op_class: Optional[str] = None
+  policy: Optional[policy_lib.Policy] = None
+  fp8_dtype: Optional[np.dtype] = None
+  rule: str = "inputs"
+  why: str = "no rule: runs in its inputs' dtype"
+  ran_in: Optional[str] = None
+  note: str = ""
+
+  @property
+  def prim(self):
+    return self.eqn.primitive
+
+  @property
+  def facts(self) -> facts_lib.Facts:
+    return facts_lib.of(self.eqn.primitive)
+
+  @property
+  def reason(self) -> str:
+    """The table's one-line reason for this primitive's class."""
+    return self.rules.reason_of(self.prim.name)
+
+  @property
+  def decided_by(self) -> str:
+    return self.region.decided_by if self.region is not None else "-"
+
+  def half_compute(self) -> Optional[np.dtype]:
+    """The governing half compute dtype, if a half policy governs."""
+    if self.policy is None or not dtypes.is_half(self.policy.compute_dtype):
+      return None
+    return np.dtype(self.policy.compute_dtype)
+
+  def bf16_storage(self) -> Optional[np.dtype]:
+    """bfloat16 where a bfloat16 policy governs, else ``None``."""
+    if (self.policy is None
+        or np.dtype(self.policy.compute_dtype) != jnp.bfloat16):
+      return None
+    return np.dtype(jnp.bfloat16)
+
+
+Rule = Callable[[Op], Optional[list]]
+
+
+def bind(eqn, args, params=None) -> list:
+  """Binds ``eqn``'s primitive on ``args``; always returns a list."""
+  params = eqn.params if params is None else params
+  out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def cast_as_traced(env, x, dtype):
+  return env.cast(x, dtype) if dtypes.dtype_of(x) != dtype else x
+
+
+def _follow_inputs(eqn, args):
+  """``eqn``'s params, its accumulation dtype following re-typed inputs
+  (if it was the input dtype); ``None`` where nothing changes."""
+  if not facts_lib.of(eqn.primitive).accumulates:
+    return None
+  pet = jax_compat.result_dtype(eqn)
+  traced = eqn.invars[0].aval.dtype
+  now = dtypes.dtype_of(args[0])
+  if pet is not None and pet == traced and now != traced:
+    return jax_compat.params_with_result_dtype(eqn, now)
+  return None
+
+
+def bind_natural(env, eqn, args) -> tuple[list, Optional[str]]:
+  """Binds on ``args`` as they are, or else at the traced dtypes.
+
+  An equation whose params hold a combiner (a scatter's update, a generic
+  reduce or reduce_window) runs at the traced dtypes: its combiner was
+  traced for them, and JAX accepts other operand dtypes that XLA then
+  rejects. So does an equation JAX refuses to re-type.
+
+  Returns the outputs, and ``None`` if ``args`` ran as they are, else why
+  they ran at the traced dtypes.
+  """
+  traced = [v.aval.dtype for v in eqn.invars]
+  if all(dtypes.dtype_of(a) == t for a, t in zip(args, traced)):
+    return bind(eqn, args), None
+  as_traced = lambda: bind(eqn, [cast_as_traced(env, a, t)
+                                 for a, t in zip(args, traced)])
+  if jax_compat.jaxprs_in_params(eqn.params):
+    return as_traced(), (
+        "its combiner was traced for "
+        f"{','.join(sorted({np.dtype(t).name for t in traced}))}: ran as traced")
+  try:
+    return bind(eqn, args, _follow_inputs(eqn, args)), None
+  except Exception:  # pylint: disable=broad-except
+    return as_traced(), "JAX refused other dtypes: ran as traced"
+
+
+def bind_op(op: Op) -> list:
+  """`bind_natural` on ``op``'s arguments; notes a fallback in its row."""
+  outs, as_traced = bind_natural(op.env, op.eqn, op.args)
+  if as_traced is not None:
+    op.why += f" ({as_traced})"
+    op.args = [cast_as_traced(op.env, a, v.aval.dtype)
+               for a, v in zip(op.args, op.eqn.invars)]
+  return outs

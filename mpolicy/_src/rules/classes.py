@@ -1,0 +1,357 @@
+"""The class rules, and the primitives classed by them that no family owns.
+
+What each class means:
+
+* ``lower`` (matmul, convolution): inputs cast to the compute dtype of the
+  governing policy, float32 accumulation; run as written where no half
+  policy governs or an input is float64. The family of the primitive
+  (`matmul`, `conv`) says how; under a float8 policy (``c=f8``) it may run
+  in float8, and every other op runs as under ``c=bf16``.
+* ``full`` (exp, log, sums, ...): half inputs cast to float32 where a half
+  policy governs or none does; the result stays float32, as with autocast.
+  Under a bfloat16 policy (bfloat16 has float32's range) an element-wise
+  ``full`` op on a bfloat16 value computes in float32 and stores its
+  result, and the derivative the backward pass keeps, in bfloat16, unless
+  only float32 readers use it.
+* ``promote``: the widest floating dtype among the inputs.
+* anything else (``None``): the dtype of its inputs. Where floating inputs
+  disagree, literals follow the arrays; parameters and inputs (arrays that
+  entered the call, and reshapes, broadcasts, transposes and slices of
+  them) are used in the compute dtype; otherwise the widest dtype wins (so
+  ``x - mean(x)`` runs in float32). Under a bfloat16 policy, a ``mul`` or
+  ``div`` of a bfloat16 value by a float32 statistic (softmax's division by
+  its sum) computes in float32 and stores its result in bfloat16. If JAX
+  rejects the re-typed equation, it runs on inputs cast back to the dtypes
+  it was traced with.
+* `base.AS_WRITTEN`: inside `full_precision()` and where a policy that
+  computes in float32 or wider governs: the code runs exactly as written.
+
+The registrations below are PyTorch autocast's fp32 and promote lists,
+translated to JAX primitives, and the facts the rules read (which
+primitives act element by element, broadcast, scale, or re-arrange a
+parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
+from mpolicy._src.rules import base
+from mpolicy._src.rules import facts
+from mpolicy._src.rules import half_storage
+from mpolicy._src.rules.facts import FULL, LOWER, PROMOTE
+
+# --- lower ------------------------------------------------------------------
+
+
+def _lower(op: base.Op) -> list:
+  """Matmuls and convolutions in the half compute dtype (or float8), as
+  their family says; any other primitive classed ``lower`` runs on its
+  inputs cast to the compute dtype."""
+  family = op.facts
+  floats = [dtypes.dtype_of(a) for a in op.args if dtypes.float_value(a)]
+  if any(map(dtypes.is_double, floats)):
+    # float64 is never narrowed: not to half, not to float8.
+    return _inputs(op, why="lower op on float64: not eligible, runs in "
+                   "float64 as written")
+  all_float = bool(floats) and len(floats) == len(op.args)
+  if op.fp8_dtype is not None and family.lower_fp8 is not None and all_float:
+    outs = family.lower_fp8(op)
+    if outs is not None:
+      return outs
+  compute = op.half_compute()
+  if compute is None or not floats:
+    return _inputs(
+        op, why="lower op, but no half compute dtype governs: runs as written")
+  op.rule = LOWER
+  op.why = f"lower ({op.reason}){op.note}; policy from {op.decided_by}"
+  op.args = [op.env.cast(a, compute) if dtypes.float_value(a) else a
+             for a in op.args]
+  if family.lower is None or not all_float:
+    return base.bind_op(op)
+  return family.lower(op, compute, result_dtype(op.eqn, compute))
+
+
+def result_dtype(eqn, compute) -> np.dtype:
+  """What a half matmul or convolution returns: ``compute``, or the wider
+  ``preferred_element_type`` the code asked for itself."""
+  pet = jax_compat.result_dtype(eqn)
+  traced_in = np.dtype(eqn.invars[0].aval.dtype)
+  if pet is not None and pet.itemsize > np.dtype(compute).itemsize and (
+      pet.itemsize > traced_in.itemsize or explicit_result_dtype(eqn)):
+    return pet  # The user asked for a wider result: keep it.
+  return np.dtype(compute)
+
+
+def explicit_result_dtype(eqn) -> bool:
+  """Whether the code wrote ``eqn``'s ``preferred_element_type`` itself.
+
+  `jax.numpy`'s matmuls (``@``, ``jnp.dot``, ``jnp.einsum``) set it to
+  their result dtype on their own, `jax.lax`'s do not: it is explicit if
+  the code called a `jax.lax` function, or wrote the keyword in its call.
+  """
+  called = jax_compat.called_jax_function(eqn)
+  if called is not None and "/lax/" in called[0].replace("\\", "/"):
+    return True
+  return "preferred_element_type" in jax_compat.user_source(eqn)
+
+
+# --- full -------------------------------------------------------------------
+
+
+def _full(op: base.Op) -> list:
+  """Fragile ops in float32 (bfloat16 storage for element-wise ones)."""
+  env, eqn, args = op.env, op.eqn, op.args
+  op.rule, op.why = FULL, f"full: {op.reason}"
+  store = op.bf16_storage()
+  floats = [i for i, a in enumerate(args) if dtypes.float_value(a)]
+  if (store is not None and op.facts.elementwise
+      and len(eqn.outvars) == 1 and len(floats) == 1
+      and dtypes.dtype_of(args[floats[0]]) == store
+      and dtypes.is_traced(args[floats[0]])
+      and eqn.outvars[0] not in env.full_only):
+    # bfloat16 has float32's range: rounding the float32 result to it
+    # loses one rounding, as any bfloat16 activation does, and under grad
+    # what is saved for the backward pass is half as big. (Read only by
+    # other `full` ops, the result stays float32.)
+    i = floats[0]
+    fn = lambda v: base.bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
+    op.ran_in = "float32"
+    op.why += "; computed in float32, stored in bfloat16"
+    return [half_storage.unary_in_float32(fn, args[i], store)]
+  op.args = [env.cast(a, jnp.float32) if dtypes.is_half(dtypes.dtype_of(a))
+             else a for a in args]
+  return base.bind_op(op)
+
+
+# --- promote, inputs and as written -----------------------------------------
+
+
+def _promote(op: base.Op) -> list:
+  """The widest floating dtype among the inputs."""
+  op.rule, op.why = PROMOTE, f"promote: {op.reason}"
+  floats = [dtypes.dtype_of(a) for a in op.args if dtypes.float_value(a)]
+  return _run_at(op, dtypes.widest(floats) if len(set(floats)) > 1 else None)
+
+
+def _inputs(op: base.Op, why: Optional[str] = None) -> list:
+  """No rule: the inputs' dtype; where they disagree, see `_array_target`.
+
+  ``why``, if given, is the reason shown (for a ``lower`` op that is not
+  eligible).
+  """
+  compute = op.half_compute()
+  target = _array_target(op.eqn, op.args, op.env, compute)
+  if compute is not None and target == compute and any(
+      op.env.is_param(a) and dtypes.dtype_of(a) != target
+      for a in op.args if dtypes.float_value(a)):
+    op.why = ("parameters and inputs are used in the compute dtype "
+              f"{target.name} (policy from {op.decided_by})")
+  if why is not None:
+    op.why = why
+  return _run_at(op, target)
+
+
+def _as_written(op: base.Op) -> list:
+  """Inside `full_precision()`, or where a policy that computes in float32
+  (or wider) governs: no op rule applies, the ``full`` class's up-cast of
+  half inputs included. Disagreeing inputs meet at the widest."""
+  op.rule = base.AS_WRITTEN
+  if op.region is None or op.region.full_precision:
+    op.why = "full_precision()"
+  else:
+    # Values the rules outside made narrower than the code had them (a
+    # half matmul's result entering a `full` region) are read as the code
+    # had them; half values the code made itself stay half.
+    op.args = [base.cast_as_traced(op.env, a, v.aval.dtype)
+               if dtypes.float_value(a) and dtypes.is_float(v.aval.dtype)
+               and dtypes.dtype_of(a).itemsize < np.dtype(v.aval.dtype).itemsize
+               else a for a, v in zip(op.args, op.eqn.invars)]
+  return _run_at(op, _array_target(op.eqn, op.args))
+
+
+def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
+  """The dtype disagreeing floating inputs meet at (``None``: they agree).
+
+  Literals follow the arrays. With a half ``compute`` dtype, parameters and
+  inputs wider than it count as ``compute``: they are used in the compute
+  dtype, not the other way round; float64 ones do not (float64 is never
+  narrowed).
+  """
+  arrays, followers, actual = [], [], set()
+  for var, a in zip(eqn.invars, args):
+    d = dtypes.dtype_of(a)
+    if not dtypes.is_float(d):
+      continue
+    actual.add(d)
+    weak = (isinstance(var, jax_compat.Literal)
+            or getattr(var.aval, "weak_type", False))
+    if (compute is not None and env.is_param(a) and not dtypes.is_double(d)
+        and d.itemsize > np.dtype(compute).itemsize):
+      d = np.dtype(compute)
+    scalar_const = not dtypes.is_traced(a) and np.ndim(a) == 0
+    (followers if weak or scalar_const else arrays).append(d)
+  if len(actual) <= 1:
+    return None
+  return dtypes.widest(arrays or followers)
+
+
+def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
+  """Runs ``op`` with its floating arguments at ``target`` (``None``: as
+  they are), or, for a bfloat16 value scaled by a float32 statistic under a
+  bfloat16 policy, in float32 stored in bfloat16."""
+  env, eqn = op.env, op.eqn
+  store = op.bf16_storage()
+  scaled = (None if store is None or not op.facts.scales
+            or target != jnp.float32
+            else _scaled_half(env, eqn, op.args, store))
+  if scaled is not None:
+    # A bfloat16 activation scaled by a float32 value that is no parameter
+    # (softmax's division by its sum, typically): computed in float32,
+    # stored in bfloat16. A product or quotient has no cancellation, so the
+    # storage costs one rounding.
+    x, s, x_first = scaled
+    op.ran_in = "float32"
+    op.why += ("; a bfloat16 value scaled by a float32 statistic: computed "
+               "in float32, stored in bfloat16")
+    return [half_storage.scale_in_float32(op.prim.name, x, s, store, x_first)]
+  if target is not None:
+    op.args = _widen_params(env, eqn, op.args, target)
+    op.args = [env.cast(a, target) if dtypes.float_value(a) else a
+               for a in op.args]
+  return base.bind_op(op)
+
+
+def _scaled_half(env, eqn, args, half):
+  """``(x, s, x_first)`` if a `mul`/`div` scales a ``half`` array ``x`` by
+  a float32 array ``s`` that is no parameter (for `div`, ``x / s``)."""
+  if len(args) != 2 or any(isinstance(v, jax_compat.Literal)
+                           or not dtypes.is_traced(a)
+                           for v, a in zip(eqn.invars, args)):
+    return None
+  a, b = args
+  for x, s, x_first in ((a, b, True), (b, a, False)):
+    if (dtypes.dtype_of(x) == half and dtypes.dtype_of(s) == jnp.float32
+        and not env.is_param(s)
+        and (x_first or eqn.primitive is jax.lax.mul_p)):
+      return x, s, x_first
+  return None
+
+
+def _widen_params(env, eqn, args, target) -> list:
+  """Parameters about to be cast down to ``target`` that an element-wise op
+  would broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast
+  first, in their own dtype: under grad the sum over the broadcast dims then
+  runs in float32 instead of in half. Other ops (a matmul, a concatenation)
+  take their operands as they are."""
+  if len(eqn.outvars) != 1 or not facts.of(eqn.primitive).broadcasts:
+    return args
+  shape = tuple(eqn.outvars[0].aval.shape)
+  out = []
+  for a in args:
+    a_shape = tuple(np.shape(a))
+    if (env.is_param(a) and dtypes.dtype_of(a) != target
+        and len(a_shape) == len(shape) and a_shape != shape
+        and all(n in (1, m) for n, m in zip(a_shape, shape))):
+      a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
+    out.append(a)
+  return out
+
+
+CLASS_RULES: dict[Optional[str], Callable[[base.Op], list]] = {
+    LOWER: _lower,
+    FULL: _full,
+    PROMOTE: _promote,
+    None: _inputs,
+    base.AS_WRITTEN: _as_written,
+}
+"""Op class -> rule."""
+
+inputs = _inputs  # A ``lower`` op that is not eligible runs as its inputs.
+
+
+# --- The primitives no family owns --------------------------------------------
+
+_TRANSCENDENTAL = "range/precision loss in half (autocast fp32 list)"
+_SUM = "sums many values: accumulate in float32 (autocast fp32 list)"
+_PRODUCT = "products of many values overflow half (autocast fp32 list)"
+_SQUARES = ("x**{n} overflows float16, and squares summed in half lose the "
+            "small terms of E[x^2] - E[x]^2 (autocast fp32 list: pow)")
+_LINALG = ("linear algebra: no half kernels, unstable in half "
+           "(autocast fp32 list)")
+_PROMOTE = "combines several inputs: widest dtype (autocast promote list)"
+
+# Element-wise primitives that always run in float32.
+for _name, _reason in {
+    "exp": "exp overflows half beyond ~11 (autocast fp32 list)",
+    "exp2": "exp2 overflows half (autocast fp32 list)",
+    "expm1": "expm1 loses precision near 0 in half (autocast fp32 list)",
+    "log": "log loses precision in half (autocast fp32 list)",
+    "log1p": "log1p loses precision near 0 in half (autocast fp32 list)",
+    "pow": "pow overflows half (autocast fp32 list)",
+    "integer_pow": _SQUARES.format(n="n"),
+    "square": _SQUARES.format(n="2"),
+    "rsqrt": "rsqrt of small variances overflows half (autocast fp32 list)",
+    "erf_inv": "erf_inv diverges near +-1 (autocast fp32 list)",
+    "lgamma": "lgamma overflows half (autocast fp32 list)",
+    "digamma": "digamma loses precision in half (autocast fp32 list)",
+    "polygamma": _TRANSCENDENTAL,
+    "igamma": _TRANSCENDENTAL,
+    "igammac": _TRANSCENDENTAL,
+    "zeta": _TRANSCENDENTAL,
+    "regularized_incomplete_beta": _TRANSCENDENTAL,
+    "bessel_i0e": _TRANSCENDENTAL,
+    "bessel_i1e": _TRANSCENDENTAL,
+    "acos": "acos loses precision near +-1 (autocast fp32 list)",
+    "asin": "asin loses precision near +-1 (autocast fp32 list)",
+    "cosh": "cosh overflows half (autocast fp32 list)",
+    "sinh": "sinh overflows half (autocast fp32 list)",
+    "tan": "tan loses precision near poles (autocast fp32 list)",
+}.items():
+  facts.register(_name, op_class=FULL, reason=_reason, elementwise=True)
+
+# Element-wise primitives a user may class `full` (no class by default):
+# as `full` ops they too compute in float32 and store bfloat16.
+facts.register(("sqrt", "cbrt", "erf", "erfc", "atan", "acosh", "asinh",
+                "atanh", "tanh", "logistic", "sin", "cos"), elementwise=True)
+
+# Reductions and scans that sum (or multiply) many values: float32 results.
+facts.register(("reduce_sum", "reduce_window_sum", "cumsum", "cumlogsumexp"),
+               op_class=FULL, reason=_SUM)
+facts.register(("reduce_prod", "cumprod"), op_class=FULL, reason=_PRODUCT)
+
+# Linear algebra: LAPACK has no half kernels, and decompositions and solves
+# lose too much in half (autocast runs them in float32).
+facts.register((
+    "cholesky", "cholesky_update", "eig", "eigh", "hessenberg",
+    "householder_product", "lu", "ormqr", "qr", "schur", "svd",
+    "symmetric_product", "triangular_solve", "tridiagonal",
+    "tridiagonal_solve"), op_class=FULL, reason=_LINALG)
+
+# Operations that combine several inputs into one array.
+facts.register(("concatenate", "select_n", "dynamic_update_slice", "scatter",
+                "scatter-add", "scatter-mul", "pad", "clamp", "atan2"),
+               op_class=PROMOTE, reason=_PROMOTE)
+
+# Element-wise primitives that broadcast size-1 dimensions of their operands.
+facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
+                "min", "atan2", "nextafter", "select_n", "clamp"),
+               broadcasts=True)
+
+# Products and quotients: a small relative error whatever the operands'
+# magnitudes (no cancellation).
+facts.register(("mul", "div"), scales=True)
+
+# Re-arrangements of (part of) their first operand: a parameter reshaped,
+# broadcast, transposed or sliced is still a parameter.
+facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
+                "expand_dims", "slice", "dynamic_slice", "gather", "rev",
+                "copy", "copy_p", "device_put", "sharding_constraint"),
+               keeps_param=True)

@@ -1,0 +1,289 @@
+"""The convolution family: `conv_general_dilated`.
+
+This file owns all a convolution needs: its ``lower`` rule, the
+`amp_conv_general_dilated` primitive (half operands, float32 accumulation)
+with its per-backend lowerings, transposes and batching, and the float8
+convolution run under ``c=f8``.
+
+On GPU and TPU the amp convolution lowers to the half convolution asking
+for a half result (the hardware accumulates in float32): cuDNN has no
+half-in, float32-out convolution, and asked for one XLA runs the whole
+convolution in float32. Elsewhere it asks for a float32 result and casts.
+
+JAX's convolution transpose and batching rules hold the bookkeeping
+(flipped kernels, transposed specs, VJP paddings, group axes reshaped in and
+out); rather than copy it, both the amp and the float8 convolution trace
+JAX's rule and replay it with each convolution it makes bound as they need
+(`replay_convs`).
+
+The float8 convolution gives each operand one scale (see `fp8_scaling`).
+JAX requires both operands of a convolution to have one dtype, so its
+backward convolutions (float8_e5m2 cotangent, float8_e4m3fn operand) take
+the two quantized values converted, exactly, to bfloat16, with float32
+accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import jax_compat
+from mpolicy._src.rules import amp_primitive
+from mpolicy._src.rules import base
+from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_scaling
+
+amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
+
+_cast = amp_primitive.cast
+
+
+def replay_convs(closed, args, bind_conv):
+  """Evaluates ``closed`` on ``args``, binding each ``conv_general_dilated``
+  with ``bind_conv(eqn, invals)`` (its one output) and the rest as traced."""
+  jaxpr = closed.jaxpr
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jax_compat.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive is jax_compat.conv_general_dilated_p:
+      outs = [bind_conv(eqn, invals)]
+    else:
+      outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return read(jaxpr.outvars[0])
+
+
+def _traced(fn, args):
+  return jax_compat.trace_to_closed_jaxpr(
+      lambda *a: [fn(*a)], [jax_compat.aval_of(a) for a in args])
+
+
+def transposed(side, params, ct, known, operand_aval, bind_conv):
+  """The cotangent of one operand by JAX's own transpose rule, traced at
+  the dtypes of ``ct`` and ``known`` (which agree) and replayed with
+  ``bind_conv`` for each convolution it makes."""
+  if np.size(ct) == 0:  # JAX's rule gives a symbolic zero here.
+    return jnp.zeros(operand_aval.shape, ct.dtype)
+  aval = jax_compat.with_dtype(operand_aval, ct.dtype)
+
+  def transpose(ct, known):
+    # No preferred type: the convolutions come out in the operands' dtype.
+    return jax_compat.conv_transpose(side, ct, known, aval, **params,
+                                     preferred_element_type=None,
+                                     out_sharding=None)
+
+  return replay_convs(_traced(transpose, (ct, known)), (ct, known), bind_conv)
+
+
+# --- amp_conv_general_dilated -------------------------------------------------
+
+
+def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
+                             lhs_dilation=None, rhs_dilation=None,
+                             dimension_numbers=None, feature_group_count=1,
+                             batch_group_count=1, precision=None,
+                             out_dtype: Any):
+  """``conv_general_dilated`` of half ``lhs``, ``rhs``, f32 accumulation, cast.
+
+  Takes `jax.lax.conv_general_dilated`'s arguments (string paddings, lists,
+  dimension-number strings too: they are put in the hashable canonical form
+  a jaxpr equation holds, which the transpose and batching rules need).
+
+  >>> import jax.numpy as jnp
+  >>> x, k = jnp.ones((1, 2, 4, 4), jnp.bfloat16), jnp.ones((3, 2, 3, 3), jnp.bfloat16)
+  >>> y = amp_conv_general_dilated(x, k, window_strides=(1, 1),
+  ...                              padding="VALID", out_dtype=jnp.float32)
+  >>> y.shape, y.dtype, float(y[0, 0, 0, 0])
+  ((1, 3, 2, 2), dtype('float32'), 18.0)
+  """
+  params = dict(window_strides=window_strides, padding=padding,
+                lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                dimension_numbers=dimension_numbers,
+                feature_group_count=feature_group_count,
+                batch_group_count=batch_group_count, precision=precision)
+  canonical = isinstance(dimension_numbers, jax.lax.ConvDimensionNumbers) and all(
+      isinstance(v, tuple) for v in (window_strides, padding, lhs_dilation,
+                                     rhs_dilation))
+  if not canonical:
+    params = jax_compat.canonical_conv_params(np.shape(lhs), np.shape(rhs),
+                                              **params)
+  return amp_conv_general_dilated_p.bind(lhs, rhs, **params,
+                                         out_dtype=np.dtype(out_dtype))
+
+
+def _conv_composite(lhs, rhs, *, out_dtype, **params):
+  out = jax_compat.bind_conv(lhs, rhs, params, jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _conv_accelerator(lhs, rhs, *, out_dtype, **params):
+  """GPU/TPU: the half convolution, half result, then cast. Never asked for
+  a float32 result: cuDNN has no such half kernel and XLA would run the
+  whole convolution in float32."""
+  return jax_compat.bind_conv(lhs, rhs, params).astype(out_dtype)
+
+
+def _as_amp(out_dtype=None):
+  """Binds a replayed convolution as an amp one in ``out_dtype`` (None: the
+  dtype it produced), so higher-order AD and vmap of the transposes keep
+  the half x half form."""
+  def bind_conv(eqn, invals):
+    dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
+    return amp_conv_general_dilated_p.bind(
+        *invals, **jax_compat.conv_params(eqn), out_dtype=np.dtype(dtype))
+  return bind_conv
+
+
+def _conv_transpose(side, ct, lhs, rhs, *, out_dtype, **params):
+  del out_dtype
+  operand, other = amp_primitive.operands(side, lhs, rhs)
+  out = transposed(side, params, _cast(ct, other.dtype), other, operand.aval,
+                   _as_amp())
+  return _cast(out, operand.aval.dtype)
+
+
+def _conv_batch(batched_args, batch_dims, *, out_dtype, **params):
+  out_dim = []
+
+  def batched(lhs, rhs):
+    out, dim = jax_compat.conv_batch((lhs, rhs), batch_dims, **params,
+                                     preferred_element_type=None,
+                                     out_sharding=None)
+    out_dim.append(dim)
+    return out
+
+  out = replay_convs(_traced(batched, batched_args), batched_args,
+                     _as_amp(out_dtype))
+  return _cast(out, out_dtype), out_dim[0]
+
+
+amp_primitive.define(amp_conv_general_dilated_p, _conv_composite,
+                     _conv_accelerator,
+                     functools.partial(_conv_transpose, "lhs"),
+                     functools.partial(_conv_transpose, "rhs"), _conv_batch)
+
+
+# --- The float8 convolution -----------------------------------------------------
+
+
+class _Fp8Config(NamedTuple):
+  params: tuple  # Sorted (name, value) pairs: the convolution's shape params.
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+
+
+def _scaled_conv_fwd(a, b, config: _Fp8Config):
+  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE)
+  bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE)
+  out = jax_compat.bind_conv(aq, bq, dict(config.params), jnp.float32)
+  return fp8_scaling.rescale(out, (sa, sb), config.out_dtype), (aq, sa, bq, sb)
+
+
+def _f32_accumulating(eqn, invals):
+  return jax_compat.bind_conv(*invals, jax_compat.conv_params(eqn),
+                              jnp.float32)
+
+
+def _scaled_conv_bwd(config: _Fp8Config, residuals, g):
+  aq, sa, bq, sb = residuals
+  params = dict(config.params)
+  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE)
+  bf16 = jnp.bfloat16  # Holds float8_e4m3fn and float8_e5m2 values exactly.
+  g16, a16, b16 = gq.astype(bf16), aq.astype(bf16), bq.astype(bf16)
+  da = transposed("lhs", params, g16, b16, jax_compat.aval_of(aq),
+                  _f32_accumulating)
+  db = transposed("rhs", params, g16, a16, jax_compat.aval_of(bq),
+                  _f32_accumulating)
+  return (fp8_scaling.rescale(da, (sg, sb), config.lhs_dtype),
+          fp8_scaling.rescale(db, (sa, sg), config.rhs_dtype))
+
+
+_scaled_conv = jax.custom_vjp(
+    lambda a, b, config: _scaled_conv_fwd(a, b, config)[0],
+    nondiff_argnums=(2,))
+_scaled_conv.defvjp(_scaled_conv_fwd, _scaled_conv_bwd)
+
+
+def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
+                             **params):
+  """`conv_general_dilated` in float8 with per-tensor scales (module doc).
+
+  ``params`` are the shape params of a ``conv_general_dilated`` jaxpr
+  equation (canonical ``window_strides``, ``padding``, ``lhs_dilation``,
+  ``rhs_dilation``, ``dimension_numbers``, ``feature_group_count``,
+  ``batch_group_count``; see `jax_compat.conv_params`).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jax import lax
+  >>> x, k = jnp.ones((1, 4, 8, 8)), jnp.ones((2, 4, 3, 3))
+  >>> dn = lax.conv_dimension_numbers(x.shape, k.shape, ("NCHW", "OIHW", "NCHW"))
+  >>> y = fp8_conv_general_dilated(x, k, window_strides=(1, 1),
+  ...     padding=((0, 0), (0, 0)), lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+  ...     dimension_numbers=dn, feature_group_count=1, batch_group_count=1)
+  >>> y.dtype, float(y[0, 0, 0, 0])
+  (dtype(bfloat16), 36.0)
+
+  Args:
+    lhs, rhs: the input and the kernel, floating arrays.
+    out_dtype: the result dtype; bfloat16 if ``None``.
+    **params: the convolution's shape params, as described above.
+
+  Returns:
+    The convolution, in ``out_dtype``.
+  """
+  out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
+               else np.dtype(out_dtype))
+  kept = tuple(sorted(jax_compat.conv_params(params, precision=False).items()))
+  config = _Fp8Config(kept, out_dtype, np.dtype(lhs.dtype),
+                      np.dtype(rhs.dtype))
+  return _scaled_conv(lhs, rhs, config)
+
+
+# --- The rules ----------------------------------------------------------------
+
+
+def _lower_conv(op: base.Op, compute, out_dtype) -> list:
+  del compute
+  if jax_compat.out_sharding(op.eqn) is None:
+    return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
+                                     out_dtype=out_dtype)]
+  # A convolution with an explicit output sharding (which the amp primitive
+  # does not carry): float32 accumulation, then cast. Under grad its
+  # backward convolutions see a float32 cotangent.
+  out = base.bind(op.eqn, op.args,
+                  jax_compat.params_with_result_dtype(op.eqn, jnp.float32))
+  return [op.env.cast(o, out_dtype) for o in out]
+
+
+FP8_REASON = ("per-tensor scaled float8_e4m3fn operands (scale = amax/448), "
+              "float32 accumulation; backward cotangent in float8_e5m2")
+
+
+def _lower_conv_fp8(op: base.Op) -> Optional[list]:
+  if jax_compat.out_sharding(op.eqn) is not None:
+    op.note = (f", not {op.fp8_dtype.name}: the convolution names an "
+               "out_sharding, which the float8 convolution does not carry")
+    return None
+  op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
+  op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "
+            f"{op.decided_by}")
+  lhs, rhs = (op.env.wider_source(a) for a in op.args)
+  out_dtype = fp8_scaling.result_dtype(op.eqn, op.policy.compute_dtype)
+  return [fp8_conv_general_dilated(lhs, rhs, out_dtype=out_dtype,
+                                   **jax_compat.conv_params(op.eqn))]
+
+
+facts.register(
+    jax_compat.conv_general_dilated_p, op_class=facts.LOWER,
+    reason="convolution: half inputs, float32 accumulation (autocast fp16 "
+           "list)",
+    accumulates=True, lower=_lower_conv, lower_fp8=_lower_conv_fp8)

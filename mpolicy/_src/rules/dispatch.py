@@ -1,0 +1,118 @@
+"""How one first-order primitive runs: its rules, looked up in order.
+
+1. A custom rule the `OpRules` table holds for the primitive
+   (`OpRules.with_rule`), except inside `full_precision()`.
+2. The primitive's ``special`` rule (`facts`), if it has one; it may
+   decline by returning ``None``.
+3. The rule of the class the `OpRules` table gives the primitive (see
+   `classes`): ``lower``, ``full``, ``promote``, ``None`` for primitives it
+   does not list, and `base.AS_WRITTEN` inside `full_precision()` and where
+   a policy that computes in float32 or wider governs: there no class or
+   special rule applies, and the code runs exactly as written.
+
+A rule takes an `base.Op` (the equation, its arguments and what governs
+it), returns the outputs, and notes on the `Op` what it decided, which
+becomes a row of `explain`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from mpolicy._src import dtypes
+from mpolicy._src import policy as policy_lib
+from mpolicy._src import recording
+from mpolicy._src import regions
+from mpolicy._src.rules import base
+from mpolicy._src.rules import classes
+from mpolicy._src.rules import custom
+from mpolicy._src.rules import special
+
+
+def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
+        names: tuple[str, ...], quiet: bool = False) -> list:
+  """Runs one first-order equation by its rules; records it for `explain`.
+
+  Args:
+    env: the environment of the enclosing jaxpr.
+    eqn: the equation.
+    invals: its input values.
+    rules: the `OpRules` table in force.
+    region: what governs it (``None``: nothing).
+    names: its scope names (for the recorded row and policy casts).
+    quiet: if ``True``, nothing is recorded.
+
+  Returns:
+    The output values.
+  """
+  casts_before = env.inserted
+  wide = region is not None and _wide_policy(region.policy)
+  as_written = region is not None and (region.full_precision or wide)
+  policy = None if region is None or as_written else region.policy
+  op = base.Op(eqn=eqn, env=env, rules=rules, region=region,
+               args=list(invals), names=names,
+               op_class=base.AS_WRITTEN if as_written else rules.class_of(
+                   eqn.primitive.name))
+  if wide:
+    op.why = (f"policy {region.policy} from {region.decided_by} computes in "
+              f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
+              "applies, runs as written")
+  if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
+    # Matmuls and convolutions may go to float8 (their family decides);
+    # everything else runs as under the policy's elementwise (bfloat16)
+    # compute dtype.
+    op.fp8_dtype = np.dtype(policy.compute_dtype)
+    policy = policy_lib.Policy(policy.param_dtype,
+                               policy_lib.elementwise_dtype(policy),
+                               policy.output_dtype)
+  op.policy = policy
+  facts = op.facts
+
+  fn = (None if region is not None and region.full_precision
+        else rules.rule_of(eqn.primitive.name))
+  if fn is not None:
+    outs = custom.run(op, fn)
+  else:
+    outs = facts.special(op) if facts.special is not None else None
+    if outs is None:
+      outs = classes.CLASS_RULES[op.op_class](op)
+
+  if facts.keeps_param and invals and env.is_param(invals[0]) and len(outs) == 1:
+    env.mark_param(outs[0])
+  if recording.active() and not quiet:
+    # A cast in the traced code (or made for a module's policy) is the
+    # code's own, even though the environment makes it: not counted.
+    inserted = (0 if op.rule in special.CODE_CASTS
+                else env.inserted - casts_before)
+    recording.record(_decision(op, invals, outs, names, inserted))
+  return outs
+
+
+def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:
+  """Whether ``policy`` computes in float32 or wider (``full``, say): where
+  it governs, the code runs as written."""
+  if policy is None:
+    return False
+  compute = np.dtype(policy.compute_dtype)
+  return not dtypes.is_half(compute) and not policy_lib.is_fp8(compute)
+
+
+def _decision(op: base.Op, invals, outs, names, casts: int) -> recording.Decision:
+  if op.ran_in is not None:
+    ran = [op.ran_in]
+  else:
+    ran = sorted({dtypes.dtype_of(a).name for a in op.args
+                  if dtypes.float_value(a)})
+    if not ran or op.rule in special.CODE_CASTS:
+      ran = sorted({dtypes.dtype_of(o).name for o in outs})  # Its result.
+  return recording.Decision(
+      scope="/".join(regions.plain_scope_names(names)),
+      module_class=op.region.module_class if op.region is not None else None,
+      primitive=op.prim.name,
+      in_dtypes=tuple(dtypes.dtype_of(a).name for a in invals),
+      ran_in=",".join(ran) if ran else "-",
+      rule=op.rule,
+      decided_by=op.why,
+      casts=casts)

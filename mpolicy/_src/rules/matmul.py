@@ -1,0 +1,400 @@
+"""The matmul family: `dot_general` and `ragged_dot_general`.
+
+This file owns all a matmul needs: its ``lower`` rule, the
+`amp_dot_general` primitive (half operands, float32 accumulation) with its
+per-backend lowerings, transposes and batching, and the float8 matmul run
+under ``c=f8``.
+
+`amp_dot_general` lowers, on GPU and TPU, to the half dot asking for its
+result dtype directly (the matrix units accumulate in float32; a float32
+result is a native half x half -> float32 gemm). On CPU it asks for a
+float32 result and casts it. XLA:CPU runs a half x half -> float32 dot only
+when its left operand contracts its last dimension (any other form fails at
+run time: "Unsupported element type for DotThunk"), so the CPU lowering lays
+the left operand out that way behind an optimization barrier, which keeps
+XLA from folding a transpose back into the dot.
+
+The float8 matmul gives the left operand one scale per row (each token,
+each example of a batch, so a row far below the batch's largest keeps its
+digits, as under `vmap`) and the right operand one per batch element (one
+per tensor for a plain matmul); see `fp8_scaling`. Its backward rule is a
+`jax.custom_vjp`, so reverse mode works at any depth of `jit`, `scan`,
+`checkpoint` and `vmap`, but forward mode (`jax.jvp`) through a float8 op
+raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
+function". Backward matmuls are true mixed float8 products.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import jax_compat
+from mpolicy._src.rules import amp_primitive
+from mpolicy._src.rules import base
+from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_scaling
+
+amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
+
+_cast = amp_primitive.cast
+
+# --- One canonical form -------------------------------------------------------
+
+
+def _order(ndim, batch, first, second) -> tuple[list[int], bool]:
+  """Dims as batch + first + second, unless batch + second + first is
+  already the identity (then no transpose is needed). The flag says whether
+  ``first`` comes first."""
+  swapped = [*batch, *second, *first]
+  if swapped == list(range(ndim)):
+    return swapped, False
+  return [*batch, *first, *second], True
+
+
+def _permute(x, perm):
+  return x if list(perm) == list(range(x.ndim)) else lax.transpose(x, perm)
+
+
+def canonical_form(lhs, rhs, dimension_numbers, *, lhs_mk=False, rhs_kn=False):
+  """``dot_general``'s operands as one (batched) matrix product.
+
+  Batch, free and contracting dimensions are each merged into one by
+  reshapes, transposing only where a group is not already contiguous, so
+  the product is ``[B, M, K] x [B, K, N]`` (or with ``[K, M]``/``[N, K]``
+  operands where that needs no transpose). ``lhs_mk`` and ``rhs_kn`` force
+  the ``[B, M, K]`` and ``[B, K, N]`` layouts.
+
+  Returns:
+    ``(a, b, dims, out_shape)``: the operands, the dimension numbers of
+    their product, and the shape of the original ``dot_general``'s result
+    (the product's reshapes to it).
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  batch = [lhs.shape[d] for d in lb]
+  lead = [math.prod(batch)] if lb else []
+  m = math.prod(lhs.shape[d] for d in lf)
+  k = math.prod(lhs.shape[d] for d in lc)
+  n = math.prod(rhs.shape[d] for d in rf)
+  lperm, mk = (([*lb, *lf, *lc], True) if lhs_mk
+               else _order(lhs.ndim, lb, lf, lc))
+  rperm, kn = (([*rb, *rc, *rf], True) if rhs_kn
+               else _order(rhs.ndim, rb, rc, rf))
+  a = _permute(lhs, lperm).reshape(lead + ([m, k] if mk else [k, m]))
+  b = _permute(rhs, rperm).reshape(lead + ([k, n] if kn else [n, k]))
+  nb = len(lead)
+  dims = (((nb + (1 if mk else 0),), (nb + (0 if kn else 1),)),
+          (tuple(range(nb)), tuple(range(nb))))
+  out_shape = batch + [lhs.shape[d] for d in lf] + [rhs.shape[d] for d in rf]
+  return a, b, dims, out_shape
+
+
+# --- amp_dot_general ----------------------------------------------------------
+
+def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
+                    out_dtype: Any, compute_dtype: Any = None,
+                    out_sharding: Any = None):
+  """``dot_general`` in ``compute_dtype``, float32 accumulation, cast.
+
+  The operands are cast to ``compute_dtype`` (default: ``lhs``'s dtype)
+  inside the primitive. So a float32 parameter can be passed as it is: the
+  forward pass multiplies its half copy, and its gradient comes straight
+  from the float32 accumulator instead of being rounded to half and back.
+  ``out_sharding`` is `dot_general`'s (explicit sharding); the param is
+  bound only when given.
+
+  >>> import jax.numpy as jnp
+  >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  >>> y = amp_dot_general(x, w, dimension_numbers=(((1,), (0,)), ((), ())),
+  ...                     out_dtype=jnp.float32, compute_dtype=jnp.bfloat16)
+  >>> y.dtype, float(y[0, 0])
+  (dtype('float32'), 3.0)
+  """
+  compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
+                           else compute_dtype)
+  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return amp_dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
+                                precision=precision,
+                                out_dtype=np.dtype(out_dtype),
+                                compute_dtype=compute_dtype, **extra)
+
+
+def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+                   compute_dtype, out_sharding=None, pin_lhs=False):
+  lhs, rhs = _cast(lhs, compute_dtype), _cast(rhs, compute_dtype)
+  if out_sharding is None:
+    a, b, dims, out_shape = canonical_form(lhs, rhs, dimension_numbers,
+                                           lhs_mk=pin_lhs)
+    if pin_lhs:
+      a = lax.optimization_barrier(a)
+    out = lax.dot_general(a, b, dims, precision=precision,
+                          preferred_element_type=jnp.float32)
+    out = out.reshape(out_shape)
+  else:
+    # With an output sharding the operands keep their layout (merging a
+    # sharded dimension is not always expressible); they are widened
+    # instead, which gives the same products (a product of two half values
+    # is exact in float32) and float32 accumulation on every backend.
+    out = lax.dot_general(
+        _cast(lhs, jnp.float32), _cast(rhs, jnp.float32), dimension_numbers,
+        precision=precision, preferred_element_type=jnp.float32,
+        out_sharding=out_sharding)
+  return out.astype(out_dtype)
+
+
+def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
+                     compute_dtype, out_sharding=None):
+  """GPU/TPU: the half dot asked for ``out_dtype`` directly."""
+  return lax.dot_general(
+      _cast(lhs, compute_dtype), _cast(rhs, compute_dtype), dimension_numbers,
+      precision=precision, preferred_element_type=out_dtype,
+      out_sharding=out_sharding)
+
+
+def _free_dims(ndim, contracting, batch) -> list[int]:
+  return [d for d in range(ndim) if d not in contracting and d not in batch]
+
+
+def _ndim(x) -> int:
+  """Rank of an array or of an undefined primal (which has only an aval)."""
+  aval = getattr(x, "aval", None)
+  return len(aval.shape) if aval is not None else np.ndim(x)
+
+
+def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
+                   compute_dtype, out_sharding=None):
+  """The cotangent of one operand: another amp dot (half x half, float32
+  accumulation), so backward matmuls keep the rules at every order.
+
+  It contracts the cotangent's dims that belong to the other operand's free
+  dims. Of the two operand orders, ``dot(ct, other)`` and ``dot(other, ct)``,
+  it takes one whose result is already in the operand's layout (the weight
+  gradient of ``x @ w`` is ``dot(x, ct)``), so no transpose is needed.
+  """
+  del out_dtype, out_sharding
+  operand, other = amp_primitive.operands(side, x, y)
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = _free_dims(_ndim(x), lc, lb)
+  rf = _free_dims(_ndim(y), rc, rb)
+  nb = len(lb)
+  ct_lf = tuple(range(nb, nb + len(lf)))
+  ct_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+  if side == "lhs":
+    own_b, own_f, own_c, other_b, other_f, other_c, ct_other = (
+        lb, lf, lc, rb, rf, rc, ct_rf)
+  else:
+    own_b, own_f, own_c, other_b, other_f, other_c, ct_other = (
+        rb, rf, rc, lb, lf, lc, ct_lf)
+  batch = tuple(range(nb))
+  rest = sorted(other_c)  # The other operand's dims left in the result.
+  position = {d: i for i, d in enumerate(own_b)}
+  # dot(ct, other): batch, then the operand's free dims, then the rest.
+  ct_first = dict(position)
+  ct_first.update({d: nb + i for i, d in enumerate(own_f)})
+  ct_first.update({d: nb + len(own_f) + rest.index(o)
+                   for d, o in zip(own_c, other_c)})
+  # dot(other, ct): batch, then the rest, then the operand's free dims.
+  other_first = dict(position)
+  other_first.update({d: nb + rest.index(o) for d, o in zip(own_c, other_c)})
+  other_first.update({d: nb + len(own_c) + i for i, d in enumerate(own_f)})
+  ndim = _ndim(operand)
+  identity = tuple(range(ndim))
+  ct = _cast(ct, compute_dtype)
+  # Under explicit sharding the result takes the operand's sharding (the
+  # weight gradient contracts the sharded batch: JAX cannot guess it).
+  order = sorted(range(ndim), key=lambda d: other_first[d])
+  if tuple(other_first[d] for d in range(ndim)) == identity:
+    dims = ((tuple(other_f), ct_other), (tuple(other_b), batch))
+    return amp_dot_general(
+        other, ct, dimension_numbers=dims, precision=precision,
+        out_dtype=operand.aval.dtype, compute_dtype=compute_dtype,
+        out_sharding=amp_primitive.sharding_for(operand.aval, order))
+  dims = ((ct_other, tuple(other_f)), (batch, tuple(other_b)))
+  order = sorted(range(ndim), key=lambda d: ct_first[d])
+  out = amp_dot_general(
+      ct, other, dimension_numbers=dims, precision=precision,
+      out_dtype=operand.aval.dtype, compute_dtype=compute_dtype,
+      out_sharding=amp_primitive.sharding_for(operand.aval, order))
+  perm = tuple(ct_first[d] for d in range(ndim))
+  return out if perm == identity else lax.transpose(out, perm)
+
+
+def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
+               out_dtype, compute_dtype, out_sharding=None):
+  del out_sharding  # vmap of an explicitly sharded dot: JAX's own rule.
+  lhs, rhs = batched_args
+  new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
+      (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)
+  out = amp_dot_general(lhs, rhs, dimension_numbers=new_dims,
+                        precision=precision, out_dtype=out_dtype,
+                        compute_dtype=compute_dtype)
+  return out, out_dim
+
+
+amp_primitive.define(
+    amp_dot_general_p, _dot_composite, _dot_accelerator,
+    functools.partial(_dot_transpose, "lhs"),
+    functools.partial(_dot_transpose, "rhs"), _dot_batch,
+    cpu_composite=functools.partial(_dot_composite, pin_lhs=True))
+
+
+# --- The float8 matmul --------------------------------------------------------
+
+
+class _Fp8Config(NamedTuple):
+  batched: bool
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+
+
+def _mm(a, b, batched):
+  """``[B,] M, K`` x ``[B,] K, N`` -> float32 ``[B,] M, N``."""
+  nb = 1 if batched else 0
+  dims = (((nb + 1,), (nb,)), ((0,), (0,)) if batched else ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _scaled_mm_fwd(a, b, config: _Fp8Config):
+  # The left operand gets one scale per row: rows are free dimensions, so
+  # their scales factor out of the sum. The right operand gets one scale
+  # per batch element.
+  nb = 1 if config.batched else 0
+  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE, axes=-1)
+  bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE,
+                                axes=(nb, nb + 1) if nb else None)
+  out = fp8_scaling.rescale(_mm(aq, bq, config.batched), (sa, sb),
+                            config.out_dtype)
+  return out, (aq, sa, bq, sb)
+
+
+def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
+  aq, sa, bq, sb = residuals
+  nb = 1 if config.batched else 0
+  per_batch = (nb, nb + 1) if nb else None
+  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch)
+  batch = ((0,), (0,)) if config.batched else ((), ())
+  # Each result takes its operand's layout, and under explicit sharding its
+  # sharding too (the weight gradient contracts a sharded batch).
+  # d lhs [B,M,K] = g [B,M,N] . rhs [B,K,N] over N.
+  da = lax.dot_general(gq, bq, (((nb + 1,), (nb + 1,)), batch),
+                       preferred_element_type=jnp.float32,
+                       out_sharding=amp_primitive.explicit_sharding(aq))
+  # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
+  # inside this sum, so they are folded into the cotangent first.
+  hq, sh = fp8_scaling.quantize(g.astype(jnp.float32) * sa,
+                                fp8_scaling.BACKWARD_DTYPE, axes=per_batch)
+  db = lax.dot_general(aq, hq, (((nb,), (nb,)), batch),
+                       preferred_element_type=jnp.float32,
+                       out_sharding=amp_primitive.explicit_sharding(bq))
+  return (fp8_scaling.rescale(da, (sg, sb), config.lhs_dtype),
+          fp8_scaling.rescale(db, (sh,), config.rhs_dtype))
+
+
+_scaled_mm = jax.custom_vjp(
+    lambda a, b, config: _scaled_mm_fwd(a, b, config)[0], nondiff_argnums=(2,))
+_scaled_mm.defvjp(_scaled_mm_fwd, _scaled_mm_bwd)
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, *,
+                    out_dtype: Optional[Any] = None):
+  """`jax.lax.dot_general` in float8 with current scaling (module doc).
+
+  The operands are brought to ``[batch, M, K] x [batch, K, N]``, quantized
+  to float8_e4m3fn, multiplied with float32 accumulation, rescaled and cast
+  to ``out_dtype``; the result has `dot_general`'s shape. Differentiable in
+  reverse mode, with the cotangent quantized to float8_e5m2.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.random.normal(jax.random.PRNGKey(0), (64, 128))
+  >>> w = jax.random.normal(jax.random.PRNGKey(1), (128, 32))
+  >>> y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+  >>> y.dtype, bool(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w) < 0.05)
+  (dtype(bfloat16), True)
+
+  Args:
+    lhs, rhs: floating arrays (any float dtype; float32 parameters can be
+      passed as they are).
+    dimension_numbers: as for `jax.lax.dot_general`.
+    out_dtype: the result dtype; bfloat16 if ``None``.
+
+  Returns:
+    The product, in ``out_dtype``.
+  """
+  out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
+               else np.dtype(out_dtype))
+  a, b, _, out_shape = canonical_form(lhs, rhs, dimension_numbers,
+                                      lhs_mk=True, rhs_kn=True)
+  _, (lb, _) = dimension_numbers
+  config = _Fp8Config(bool(lb), out_dtype, np.dtype(lhs.dtype),
+                      np.dtype(rhs.dtype))
+  return _scaled_mm(a, b, config).reshape(out_shape)
+
+
+# --- The rules ----------------------------------------------------------------
+
+
+def _lower_dot(op: base.Op, compute, out_dtype) -> list:
+  """`amp_dot_general`. Operands cast down from float32 (a parameter,
+  typically) go in as float32: the primitive casts them itself, and their
+  gradients then come from its float32 accumulator, not rounded to half and
+  back. Only parameters and inputs: they are kept alive anyway, whereas
+  saving a float32 activation for the backward pass would double the memory
+  its half copy needs."""
+  env = op.env
+  lhs, rhs = (w if env.is_param(w := env.wider_source(a)) else a
+              for a in op.args)
+  dimension_numbers, precision = jax_compat.dot_params(op.eqn)
+  return [amp_dot_general(
+      lhs, rhs, dimension_numbers=dimension_numbers, precision=precision,
+      out_dtype=out_dtype, compute_dtype=compute,
+      out_sharding=jax_compat.out_sharding(op.eqn))]
+
+
+FP8_REASON = ("per-row/per-tensor scaled float8_e4m3fn operands (scale = "
+              "amax/448), float32 accumulation; backward cotangent in "
+              "float8_e5m2")
+
+
+def _lower_dot_fp8(op: base.Op) -> Optional[list]:
+  """The float8 matmul, quantized from the widest value at hand (a float32
+  parameter's gradient then comes back in float32; only float8 copies are
+  saved). Declines a dot that names an output sharding."""
+  if jax_compat.out_sharding(op.eqn) is not None:
+    op.note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
+               "which the float8 matmul does not carry")
+    return None
+  op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
+  op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "
+            f"{op.decided_by}")
+  lhs, rhs = (op.env.wider_source(a) for a in op.args)
+  dimension_numbers, _ = jax_compat.dot_params(op.eqn)
+  out_dtype = fp8_scaling.result_dtype(op.eqn, op.policy.compute_dtype)
+  return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype)]
+
+
+def _lower_ragged(op: base.Op, compute, out_dtype) -> list:
+  """Half operands, float32 accumulation, cast to ``out_dtype``. Under grad
+  JAX's own transposes take the float32 cotangent: the backward ragged
+  products multiply float32 by half (no amp primitive for ragged dots)."""
+  del compute
+  out = base.bind(op.eqn, op.args, jax_compat.params_with_result_dtype(
+      op.eqn, jnp.float32))
+  return [op.env.cast(o, out_dtype) for o in out]
+
+
+_MATMUL = ("matmul family: half inputs, float32 accumulation (autocast fp16 "
+           "list)")
+facts.register(jax_compat.dot_general_p, op_class=facts.LOWER, reason=_MATMUL,
+               accumulates=True, lower=_lower_dot, lower_fp8=_lower_dot_fp8)
+facts.register("ragged_dot_general", op_class=facts.LOWER,
+               reason=_MATMUL + "; backward products float32 x half",
+               accumulates=True, lower=_lower_ragged)

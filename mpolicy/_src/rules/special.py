@@ -1,0 +1,108 @@
+"""Primitives whose handling does not follow from their op class.
+
+An explicit cast, a bit reinterpretation, a host callback, and a
+broadcast or gather of a value cast down from float32. Each rule is
+registered as its primitive's ``special`` fact; a special rule may decline
+(return ``None``), and the class rule then runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
+from mpolicy._src import regions
+from mpolicy._src.rules import base
+from mpolicy._src.rules import facts
+
+# The JAX functions that cast (the function the user's code called, as
+# `jax_compat.called_jax_function` names it): `x.astype`, `jnp.astype`,
+# `jnp.asarray`, `jnp.array`, `jnp.float32(x)`, `lax.convert_element_type`.
+_CAST_FUNCTIONS = frozenset({"astype", "_astype", "asarray", "array",
+                             "convert_element_type", "_ScalarMeta.__call__"})
+
+CODE_CASTS = ("explicit cast", "policy cast", base.JAX_CAST)
+"""Rules of casts that are the code's own (not counted as inserted)."""
+
+
+def _written_cast(eqn) -> tuple[bool, str]:
+  """Whether a cast was written in the code (else JAX made it inside the
+  function it names, such as a type promotion in ``jnp.mean``)."""
+  called = jax_compat.called_jax_function(eqn)
+  if called is None:
+    return True, ""
+  name = called[1] or "a function JAX traced itself"
+  return (name in _CAST_FUNCTIONS
+          or name.rsplit(".", 1)[-1] in _CAST_FUNCTIONS - {"__call__"}), name
+
+
+def _convert(op: base.Op) -> Optional[list]:
+  """A cast: made through the environment's cache (at most once)."""
+  new_dtype, plain = jax_compat.cast_target(op.eqn)
+  if not plain:
+    return None
+  what = regions.policy_cast_of(op.names)
+  written, inside = _written_cast(op.eqn)
+  if what is not None:
+    op.rule = "policy cast"
+    op.why = f"the module's policy casts its {what}"
+  elif written:
+    op.rule, op.why = "explicit cast", "convert_element_type in the traced code"
+  else:
+    op.rule = base.JAX_CAST
+    op.why = f"convert_element_type that JAX made inside {inside}"
+  if op.op_class == base.AS_WRITTEN:
+    # As written: the cast alone, as XLA would compile it without `amp`
+    # (no rounding made explicit, see `widen`).
+    return base.bind(op.eqn, op.args)
+  return [op.env.cast(op.args[0], new_dtype)]
+
+
+facts.register(jax_compat.convert_element_type_p, special=_convert)
+
+
+def _reinterpret(op: base.Op) -> list:
+  """Bit casts and random bits: floating inputs keep their traced dtypes."""
+  op.rule, op.why = base.AS_WRITTEN, "reinterprets bits: runs as traced"
+  return base.bind(op.eqn, [base.cast_as_traced(op.env, a, v.aval.dtype)
+                            for a, v in zip(op.args, op.eqn.invars)])
+
+
+facts.register(jax_compat.bitcast_convert_type_p, special=_reinterpret)
+
+
+def _callback(op: base.Op) -> list:
+  """A host callback is code as written: its operands arrive in the dtypes
+  the traced code had (its results are declared in them too)."""
+  op.rule, op.why = base.AS_WRITTEN, "host callback: operands in their traced dtypes"
+  op.args = [base.cast_as_traced(op.env, a, v.aval.dtype)
+             for a, v in zip(op.args, op.eqn.invars)]
+  return base.bind(op.eqn, op.args)
+
+
+facts.register(jax_compat.CALLBACK_PRIMITIVES, special=_callback)
+
+
+def _in_wider_source(op: base.Op) -> Optional[list]:
+  """A broadcast or gather of a value cast down from float32 (a bias, an
+  embedding table) runs on the float32 value, then casts.
+
+  The values are the same, and under grad the transpose (a sum over the
+  broadcast dims, a scatter-add into the table) accumulates in float32
+  instead of in half. On GPUs a half scatter-add into a small table is also
+  slow: its atomics contend. Declines for primitives the table classes, and
+  inside `full_precision()`.
+  """
+  x = op.args[0]
+  wide = op.env.wider_source(x)
+  if op.op_class is not None or wide is x:
+    return None
+  op.why = (f"{op.prim.name} of a down-cast value: runs in its wider dtype, "
+            "then cast (its gradient sums in float32)")
+  return [op.env.cast(o, dtypes.dtype_of(x))
+          for o in base.bind(op.eqn, [wide, *op.args[1:]])]
+
+
+facts.register((jax_compat.broadcast_in_dim_p, jax_compat.gather_p),
+               special=_in_wider_source)
