@@ -2,8 +2,9 @@
 
 Each page's ```python blocks run in order in one namespace, as a reader
 would run them; a new page under docs/ is picked up without editing this
-file. Relative links in README.md and the pages must point at files that
-exist, and `#anchors` into the repository's markdown at headings that exist.
+file. Relative links in README.md, the pages and the folders' READMEs
+(benchmarks/README.md) must point at files that exist, and `#anchors` into
+the repository's markdown at headings that exist.
 """
 
 import pathlib
@@ -14,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-MARKDOWN = [ROOT / "README.md"] + PAGES
+MARKDOWN = [ROOT / "README.md"] + PAGES + sorted(ROOT.glob("*/README.md"))
 
 README_MAX_LINES = 350
 PAGE_MAX_LINES = 600
