@@ -4,7 +4,7 @@ jmp installs its test modules (`jmp/_src/loss_scale_test.py`,
 `policy_test.py`); each is executed here with its `jmp` bound to mpolicy
 (plus the `dtype_to_names` table, which mpolicy keeps in
 `mpolicy._src.policy`). Every test passes except the ones listed in
-`EXCLUDED`, which differ by design (README, "With jmp") and must still fail,
+`EXCLUDED`, which differ by design (docs/compatibility.md, "With jmp") and must still fail,
 so the list cannot go stale.
 """
 

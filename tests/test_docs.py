@@ -1,0 +1,100 @@
+"""The documentation pages (docs/*.md) run as written, and their links hold.
+
+Each page's ```python blocks run in order in one namespace, as a reader
+would run them; a new page under docs/ is picked up without editing this
+file. Relative links in README.md, the pages and the folders' READMEs
+(benchmarks/README.md) must point at files that exist, and `#anchors` into
+the repository's markdown at headings that exist.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+MARKDOWN = [ROOT / "README.md"] + PAGES + sorted(ROOT.glob("*/README.md"))
+
+README_MAX_LINES = 350
+PAGE_MAX_LINES = 600
+
+
+def _python_blocks(text: str) -> list:
+  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _without_code(text: str) -> str:
+  """The text with fenced blocks and inline code removed (links live outside)."""
+  text = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped."""
+  heading = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return heading.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set:
+  text = re.sub(r"^\s*```.*?^\s*```", "", path.read_text(), flags=re.S | re.M)
+  return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def _links(path: pathlib.Path) -> list:
+  return re.findall(r"\]\(([^)\s]+)\)", _without_code(path.read_text()))
+
+
+def test_there_are_docs_pages():
+  assert len(PAGES) >= 8, [p.name for p in PAGES]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_examples_run(page):
+  namespace = {"__name__": f"docs_{page.stem}"}
+  for block in _python_blocks(page.read_text()):
+    exec(compile(block, str(page), "exec"), namespace)  # pylint: disable=exec-used
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_is_short_and_says_what_it_covers(page):
+  lines = page.read_text().splitlines()
+  assert len(lines) <= PAGE_MAX_LINES, (page.name, len(lines))
+  assert lines[0].startswith("# "), page.name
+  # The first paragraph after the title is prose, not a heading or a block.
+  first = next(line for line in lines[1:] if line.strip())
+  assert not first.startswith(("#", "```", "|", "-")), (page.name, first)
+
+
+def test_readme_is_short_and_lists_every_page():
+  text = (ROOT / "README.md").read_text()
+  assert len(text.splitlines()) <= README_MAX_LINES
+  linked = set(_links(ROOT / "README.md"))
+  missing = [p.name for p in PAGES if f"docs/{p.name}" not in linked]
+  assert not missing, f"README's Documentation list lacks {missing}"
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
+def test_relative_links_point_at_files_and_headings(path):
+  broken = []
+  for link in _links(path):
+    if re.match(r"^[a-z]+:", link):  # http:, https:, mailto:
+      continue
+    target, _, anchor = link.partition("#")
+    file = (path.parent / target).resolve() if target else path
+    if not file.exists():
+      broken.append(f"{link}: no file {file}")
+    elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+      broken.append(f"{link}: no heading #{anchor} in {file.name}")
+  assert not broken, f"{path.name}: " + "; ".join(broken)
+
+
+def test_link_checker_catches_a_broken_file_and_anchor(tmp_path):
+  page = tmp_path / "page.md"
+  (tmp_path / "other.md").write_text("# Other\n\n## With `jmp` → mpolicy\n")
+  page.write_text("[a](other.md#with-jmp--mpolicy) [b](missing.md) "
+                  "[c](other.md#nowhere) `[d](inline.md)`\n")
+  assert _links(page) == [
+      "other.md#with-jmp--mpolicy", "missing.md", "other.md#nowhere"]
+  assert _anchors(tmp_path / "other.md") == {"other", "with-jmp--mpolicy"}
