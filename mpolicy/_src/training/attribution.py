@@ -54,7 +54,8 @@ def nonfinite_flags(tree: PyTree) -> PyTree:
 
   Returns:
     A pytree of the same structure with a boolean scalar per leaf. Integer
-    and bool leaves are always finite.
+    and bool leaves are always finite; a complex leaf is not finite where
+    either part is inf or NaN.
 
   >>> import jax.numpy as jnp
   >>> flags = nonfinite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.inf])})

@@ -1,4 +1,4 @@
-"""A float32 master copy of half-precision params, kept in the optimizer state."""
+"""A float32 master copy of half params, kept in the optimizer state."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def master_weights(
   for a weight that shrinks by a factor over 2**14 in one step without
   reaching zero (float32 cannot hold that difference exactly); the next
   step corrects it, and `params_from_master` is always exact. Leaves already
-  in `master_dtype` get `inner`'s updates unchanged.
+  in `master_dtype` get `inner`'s updates unchanged, and so do leaves that
+  are not real floating point: a complex parameter is its own master (kept
+  in its dtype, never cast to `master_dtype` or to a half dtype).
 
   Start from float32 params with `init_master_weights` (they become the
   master), or from half params with `tx.init(params)`, which casts the
@@ -118,8 +120,9 @@ def init_master_weights(
     param_dtype: the dtype to compute in, e.g. `jnp.bfloat16`.
 
   Returns:
-    `(half_params, opt_state)`: the floating leaves of `params` cast to
-    `param_dtype`, and `optimizer.init(params)`.
+    `(half_params, opt_state)`: the real floating leaves of `params` cast
+    to `param_dtype` (complex and integer leaves as they are), and
+    `optimizer.init(params)`.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.adam(1e-3))
@@ -141,7 +144,8 @@ def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
   Args:
     opt_state: a state holding exactly one `MasterWeightsState` anywhere
       inside (also under `skip_nonfinite` or `optax.chain`).
-    params: params whose floating leaves give the dtypes to round to.
+    params: params whose real floating leaves give the dtypes to round
+      to; other leaves (complex, integer) come back as the master holds them.
 
   Returns:
     The rounded master, shaped like `params`.

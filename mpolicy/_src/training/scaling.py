@@ -24,15 +24,14 @@ from mpolicy._src.training import attribution
 LossScale = loss_scale_lib.LossScale
 
 
-# --- Checks on what is passed --------------------------------------------------
+# --- Checks on what is passed -----------------------------------------------
 
 
 def _check_max_retries(max_retries: Any) -> int:
-  if (isinstance(max_retries, (bool, np.bool_))
-      or not isinstance(max_retries, (int, np.integer)) or max_retries < 0):
-    error = (TypeError if isinstance(max_retries, (bool, np.bool_))
-             or not isinstance(max_retries, (int, np.integer)) else ValueError)
-    raise error(
+  is_int = (isinstance(max_retries, (int, np.integer))
+            and not isinstance(max_retries, (bool, np.bool_)))
+  if not is_int or max_retries < 0:
+    raise (ValueError if is_int else TypeError)(
         "scaled_value_and_grad: max_retries must be a non-negative int (how "
         "many times to back off and recompute a non-finite gradient in the "
         f"same call; 0 for never), got {max_retries!r}.")
@@ -56,16 +55,18 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
                        f"positional argument {i}, but only {len(args)} were "
                        "passed (after the loss scale).")
     for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-      if isinstance(leaf, bool) or not (
-          isinstance(leaf, float) or _trees.is_floating(leaf)):
+      if isinstance(leaf, bool) or not (isinstance(leaf, float)
+                                        or _trees.is_floating(leaf)
+                                        or _trees.is_complex(leaf)):
         bad.append(f"args[{i}]{jax.tree_util.keystr(path)}: {_leaf_desc(leaf)}")
   if bad:
     raise TypeError(
         "scaled_value_and_grad: cannot differentiate with respect to "
         "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
-        "leaves (float16, bfloat16, float32, float64, complex) are accepted "
-        "in the arguments named by argnums; pass integer data (step counts, "
-        "token ids) through another argument, or cast it to a float dtype.")
+        "leaves (float16, bfloat16, float32, float64) and complex ones are "
+        "accepted in the arguments named by argnums; pass integer data (step "
+        "counts, token ids) through another argument, or cast it to a float "
+        "dtype.")
 
 
 def _check_loss(loss: Any) -> None:
@@ -81,7 +82,7 @@ def _check_loss(loss: Any) -> None:
 
 
 
-# --- The pieces of one call ------------------------------------------------------
+# --- The pieces of one call --------------------------------------------------
 
 
 def _scaled_loss(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -107,7 +108,10 @@ def _scaled_loss(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
 
 def _unscale(loss_scale: LossScale, grads: Any, grad_dtype: Any) -> Any:
   """The unscaled gradients, each in its parameter's dtype or `grad_dtype`."""
-  unscaled = loss_scale.unscale(grads)
+  # Loss scales unscale real floating leaves: complex ones go through as
+  # their real and imaginary parts.
+  unscaled = _trees.join_complex(
+      loss_scale.unscale(_trees.split_complex(grads)), grads)
   # Loss scales following the contract return each leaf in its own dtype;
   # cast anyway, so a loss scale whose `unscale` promotes half leaves to
   # float32 (such as jmp's) works here too.
@@ -167,9 +171,6 @@ def _agreed_flags(grads: Any, axis_name: Any) -> Any:
   return flags
 
 
-# --- The public function -------------------------------------------------------
-
-
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -224,10 +225,15 @@ def scaled_value_and_grad(
   twice (longer compiles): use it where overflows are frequent enough that
   skipped steps cost more.
 
+  Complex parameters are differentiated, unscaled, averaged and checked
+  for inf/NaN like real ones, but their gradients always come back in their
+  own dtype: `grad_dtype` and `reduce_dtype` apply to real floating leaves.
+
   Args:
     fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
     argnums: which positional arguments of `fun` to differentiate, as in
-      `jax.value_and_grad`. Their leaves must all be floating point.
+      `jax.value_and_grad`. Their leaves must all be floating point (real
+      or complex).
     has_aux: whether `fun` returns `(loss, aux)`.
     axis_name: the data axes of `pmap` / `shard_map` (those the batch is
       split over) to average the gradients and the loss over; the flag is
@@ -239,9 +245,9 @@ def scaled_value_and_grad(
       inside `shard_map` JAX's own sum runs in the gradient's dtype and
       only the division uses it); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
-    grad_dtype: dtype to return the floating gradients in; None keeps each
-      leaf's own dtype. float32 keeps tiny unscaled gradients of float16
-      params from underflowing (see `master_weights`).
+    grad_dtype: dtype to return the real floating gradients in; None keeps
+      each leaf's own dtype. float32 keeps tiny unscaled gradients of
+      float16 params from underflowing (see `master_weights`).
     attribute_overflow: also return `nonfinite_flags(grads)` (all-reduced
       over `axis_name`) as a fifth element, for `nonfinite_paths`.
     max_retries: how many times to back off and recompute a non-finite

@@ -17,6 +17,7 @@ import optax
 
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src.training import _trees
 
 PyTree = Any
 
@@ -37,14 +38,6 @@ class SkipNonFiniteState(NamedTuple):
   total_notfinite: jax.Array
 
 
-def _identity_update(shape_dtype: Any) -> jax.Array:
-  # x + (-0.0) == x bit for bit for every x, -0.0 and NaN included, while
-  # x + 0.0 turns -0.0 into +0.0. Integer leaves get plain zeros.
-  if jnp.issubdtype(shape_dtype.dtype, jnp.inexact):
-    return jnp.full(shape_dtype.shape, -0.0, shape_dtype.dtype)
-  return jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
-
-
 def skip_nonfinite(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
@@ -54,7 +47,7 @@ def skip_nonfinite(
   (its step count does not advance) and the updates are `-0.0`, so
   `optax.apply_updates(params, updates)` returns params bit-for-bit as they
   were (adding `-0.0` is the exact identity; `+0.0` would turn `-0.0` into
-  `+0.0`). Only this wrapper's counters (`SkipNonFiniteState`) change. A
+  `+0.0`; complex leaves get `-0.0` in both parts). Only this wrapper's counters (`SkipNonFiniteState`) change. A
   non-finite update is never applied, however many come in a row.
 
   Whether the step is finite is read from the `grads_finite` extra argument
@@ -109,7 +102,7 @@ def skip_nonfinite(
     def skip_update(operands):
       u, s, _ = operands
       shapes, _ = jax.eval_shape(do_update, operands)
-      identity = jax.tree_util.tree_map(_identity_update, shapes)
+      identity = jax.tree_util.tree_map(_trees.signed_zeros, shapes)
       return distributed.vary_like(
           identity, lambda o: do_update(o)[0], operands), s
 
