@@ -49,28 +49,33 @@ from mpolicy._src.haiku_bridge import transform_amp
 from mpolicy._src.haiku_bridge import transform_amp_with_state
 from mpolicy._src.haiku_bridge import with_policies
 
-from mpolicy._src.training import init_master_weights
-from mpolicy._src.training import keep_dtypes
-from mpolicy._src.training import make_train_step
-from mpolicy._src.training import master_weights
-from mpolicy._src.training import MasterWeightsState
-from mpolicy._src.training import nonfinite_flags
-from mpolicy._src.training import nonfinite_paths
-from mpolicy._src.training import params_from_master
-from mpolicy._src.training import scaled_value_and_grad
-from mpolicy._src.training import skip_nonfinite
-from mpolicy._src.training import SkipNonFiniteState
-from mpolicy._src.training import TrainStepResult
-from mpolicy._src.training import update_if_finite
+from mpolicy._src.training.scaling import scaled_value_and_grad
 
-from mpolicy._src.stochastic_rounding import stochastic_round
+from mpolicy._src.training.skipping import skip_nonfinite
+from mpolicy._src.training.skipping import SkipNonFiniteState
+from mpolicy._src.training.skipping import update_if_finite
 
-from mpolicy._src.state_dtypes import StateDtypesState
-from mpolicy._src.state_dtypes import with_state_dtypes
+from mpolicy._src.training.master_weights import init_master_weights
+from mpolicy._src.training.master_weights import master_weights
+from mpolicy._src.training.master_weights import MasterWeightsState
+from mpolicy._src.training.master_weights import params_from_master
 
-from mpolicy._src.half_params import apply_updates_stochastic
-from mpolicy._src.half_params import stochastic_params
-from mpolicy._src.half_params import StochasticParamsState
+from mpolicy._src.training.stable_dtypes import keep_dtypes
+
+from mpolicy._src.training.attribution import nonfinite_flags
+from mpolicy._src.training.attribution import nonfinite_paths
+
+from mpolicy._src.training.train_step import make_train_step
+from mpolicy._src.training.train_step import TrainStepResult
+
+from mpolicy._src.training.stochastic_rounding import stochastic_round
+
+from mpolicy._src.training.state_dtypes import StateDtypesState
+from mpolicy._src.training.state_dtypes import with_state_dtypes
+
+from mpolicy._src.training.half_params import apply_updates_stochastic
+from mpolicy._src.training.half_params import stochastic_params
+from mpolicy._src.training.half_params import StochasticParamsState
 
 from mpolicy._src.checkpoint import restore_checkpoint
 from mpolicy._src.checkpoint import save_checkpoint

@@ -16,7 +16,6 @@ import pytest
 import mpolicy
 from mpolicy._src import checkpoint
 from mpolicy._src import loss_scale as ls_lib
-from mpolicy._src import training
 
 from _helpers import facts_on_eight_devices
 from _helpers import same_bits
@@ -58,7 +57,7 @@ def test_round_trip_is_bitwise_for_every_dtype(tmp_path):
 
 
 def test_restore_into_an_eval_shape_template(tmp_path):
-  tx = training.skip_nonfinite(optax.adam(1e-3))
+  tx = mpolicy.skip_nonfinite(optax.adam(1e-3))
   init = lambda: (tx.init({"w": jnp.ones(3, jnp.float8_e5m2)}),
                   ls_lib.DynamicLossScale(2. ** 15, period=7),
                   jax.random.key(1))
@@ -285,8 +284,8 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, half):
               "w2": jax.random.normal(k2, (16, 1)) * 0.3}
   x = jax.random.normal(k3, (64, 4))
   y = jnp.cos(x[:, :1])
-  tx = training.skip_nonfinite(training.master_weights(optax.adam(1e-2)))
-  grad_fn = training.scaled_value_and_grad(_loss, grad_dtype=jnp.float32)
+  tx = mpolicy.skip_nonfinite(mpolicy.master_weights(optax.adam(1e-2)))
+  grad_fn = mpolicy.scaled_value_and_grad(_loss, grad_dtype=jnp.float32)
 
   @jax.jit
   def step(params, opt_state, loss_scale, key, factor):
@@ -305,7 +304,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, half):
     return state
 
   def fresh():
-    params, opt_state = training.init_master_weights(tx, params32, half)
+    params, opt_state = mpolicy.init_master_weights(tx, params32, half)
     return (params, opt_state, ls_lib.DynamicLossScale(2. ** 15, period=4),
             jax.random.key(42))
 

@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpolicy
 import os
-from mpolicy._src import training
 
 N = jax.device_count()
 assert N == 8, N
@@ -59,20 +58,20 @@ def mlp_loss(p, x, y):
   h = jnp.tanh(x @ p["w1"])
   return jnp.mean((h @ p["w2"] - y) ** 2)
 loss = mpolicy.amp(mlp_loss, POLICY)
-_, _, ref_loss, ref = training.scaled_value_and_grad(loss)(LS, params, x, y)
+_, _, ref_loss, ref = mpolicy.scaled_value_and_grad(loss)(LS, params, x, y)
 ref_loss = float(ref_loss)
 facts["one_device_loss"] = ref_loss
 
 # --- 1-D: pmap, shard_map replicated (check_vma on/off), FSDP -----------------
 def grads_pmap():
-  g = training.scaled_value_and_grad(loss, axis_name="d")
+  g = mpolicy.scaled_value_and_grad(loss, axis_name="d")
   out = jax.pmap(lambda p, x, y: g(LS, p, x, y)[2:], axis_name="d",
                  in_axes=(None, 0, 0))(params, x.reshape(8, 8, 16), y.reshape(8, 8, 4))
   return {"loss": float(out[0][0]), "relerr": relerr(jax.tree.map(lambda t: t[0], out[1]), ref)}
 guard("pmap", grads_pmap)
 
 def grads_replicated(cv):
-  g = training.scaled_value_and_grad(loss, axis_name="d")
+  g = mpolicy.scaled_value_and_grad(loss, axis_name="d")
   def body(p, x, y):
     _, finite, l, gr = g(LS, p, x, y)
     return l, gr, finite
@@ -86,7 +85,7 @@ def fsdp_loss(p, x, y):
   full = jax.tree.map(lambda w: jax.lax.all_gather(w, "d", tiled=True), p)
   return loss(full, x, y)
 def grads_fsdp():
-  g = training.scaled_value_and_grad(fsdp_loss, axis_name="d")
+  g = mpolicy.scaled_value_and_grad(fsdp_loss, axis_name="d")
   def body(p, x, y):
     _, finite, l, gr = g(LS, p, x, y)
     return l, gr, finite
@@ -102,7 +101,7 @@ def tp_loss(p, x, y):
   return jnp.mean((out - y) ** 2)
 tp_amp = mpolicy.amp(tp_loss, POLICY)
 def grads_2d(axis_name, cv=True):
-  g = training.scaled_value_and_grad(tp_amp, axis_name=axis_name)
+  g = mpolicy.scaled_value_and_grad(tp_amp, axis_name=axis_name)
   def body(p, x, y, ls):
     ls, finite, l, gr = g(ls, p, x, y)
     return l, gr, finite, ls
@@ -123,13 +122,13 @@ def tp_loss_poison(p, x, y, f):
   out = jax.lax.psum(h @ p["w2"], "model")
   return jnp.mean((out - y) ** 2)
 def skip_2d(use_make_step):
-  tx = training.skip_nonfinite(optax.adam(1e-2))
-  g = training.scaled_value_and_grad(mpolicy.amp(tp_loss_poison, POLICY), axis_name="data")
+  tx = mpolicy.skip_nonfinite(optax.adam(1e-2))
+  g = mpolicy.scaled_value_and_grad(mpolicy.amp(tp_loss_poison, POLICY), axis_name="data")
   def body(p, s, ls, x, y, f):
     ls, finite, l, gr = g(ls, p, x, y, f)
     u, s = tx.update(gr, s, p, grads_finite=finite)
     return optax.apply_updates(p, u), s, ls, finite[None]
-  sspec = training.SkipNonFiniteState(
+  sspec = mpolicy.SkipNonFiniteState(
       inner_state=(optax.ScaleByAdamState(count=P(), mu=TP, nu=TP), optax.EmptyState()),
       notfinite_count=P(), last_finite=P(), total_notfinite=P())
   f = jnp.ones(8).at[5].set(jnp.nan)  # device 5 only: data 2, model 1
@@ -146,7 +145,7 @@ def skip_2d(use_make_step):
 guard("skip_2d", lambda: skip_2d(False))
 
 def skip_fsdp_make_step():
-  step = training.make_train_step(fsdp_loss_f, optax.adam(1e-2), axis_name="d")
+  step = mpolicy.make_train_step(fsdp_loss_f, optax.adam(1e-2), axis_name="d")
   tx = optax.adam(1e-2)
   sspec = (optax.ScaleByAdamState(count=P(), mu=FS, nu=FS), optax.EmptyState())
   fn = smap(lambda p, s, ls, x, y, f: step(p, s, ls, x, y, f)[:4], mesh1,
@@ -170,7 +169,7 @@ def bn_state():
     new_state = {"mean": 0.9 * state["mean"] + 0.1 * mean, "count": state["count"] + 1}
     return mlp_loss(p, x - mean, y), new_state
   tx = optax.sgd(0.1)
-  step = training.make_train_step(loss_fn, tx, has_state=True, axis_name="d")
+  step = mpolicy.make_train_step(loss_fn, tx, has_state=True, axis_name="d")
   state = {"mean": jnp.zeros(16), "count": jnp.zeros([], jnp.int32)}
   fn = smap(lambda p, st, s, ls, x, y: step(p, st, s, ls, x, y).model_state, mesh1,
             (P(), P(), P(), P(), P("d"), P("d")), P())
@@ -221,14 +220,14 @@ def collectives(hlo):
 def hlo_dtypes():
   out = {}
   for rd in ("float32", "bfloat16"):
-    g = training.scaled_value_and_grad(loss, axis_name="d", reduce_dtype=jnp.dtype(rd))
+    g = mpolicy.scaled_value_and_grad(loss, axis_name="d", reduce_dtype=jnp.dtype(rd))
     f = jax.pmap(lambda p, x, y: g(LS, p, x, y)[3], axis_name="d", in_axes=(None, 0, 0))
     out["pmap_" + rd] = collectives(f.lower(params, x.reshape(8, 8, 16), y.reshape(8, 8, 4)).compile().as_text())
   for name, pp in (("f32", params), ("bf16", jax.tree.map(lambda w: w.astype(jnp.bfloat16), params))):
-    g = training.scaled_value_and_grad(loss, axis_name="d")
+    g = mpolicy.scaled_value_and_grad(loss, axis_name="d")
     f = smap(lambda p, x, y: g(LS, p, x, y)[3], mesh1, (P(), P("d"), P("d")), P())
     out["shard_map_" + name] = collectives(f.lower(pp, x, y).compile().as_text())
-    g0 = training.scaled_value_and_grad(loss)
+    g0 = mpolicy.scaled_value_and_grad(loss)
     f = jax.jit(lambda p, x, y: g0(LS, p, x, y)[3])
     xs = jax.device_put(x, NamedSharding(mesh1, P("d"))); ys = jax.device_put(y, NamedSharding(mesh1, P("d")))
     out["jit_" + name] = collectives(f.lower(pp, xs, ys).compile().as_text())

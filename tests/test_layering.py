@@ -138,6 +138,12 @@ def test_only_the_haiku_modules_reach_haiku():
   graph, _ = import_graph(_SRC)
   assert {"interpreter", "registry"} <= set(graph)  # The walk saw them.
   assert "registry" in graph["interpreter"]  # ...and their imports.
+  # Subpackages are walked too: their modules are dotted names, and
+  # importing one runs its package's __init__ first.
+  assert {"training", "training.scaling", "training._trees"} <= set(graph)
+  assert {"distributed", "training", "training._trees"} <= (
+      graph["training.scaling"])
+  assert "training.train_step" in graph["training"]
   chains = haiku_chains(_SRC, HAIKU_MODULES)
   assert not chains, (
       "These modules of mpolicy/_src need Haiku through their imports; only "

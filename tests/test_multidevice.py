@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mpolicy._src import loss_scale as ls_lib
-from mpolicy._src import training
+import mpolicy
 
 N = jax.device_count()
 assert N == 8, N
@@ -50,8 +50,8 @@ key = jax.random.PRNGKey(0)
 params = {"w": jax.random.normal(key, (4, 1)), "b": jnp.zeros(1)}
 x = jax.random.normal(jax.random.PRNGKey(1), (N, 16, 4))
 y = x.sum(-1, keepdims=True)
-tx = training.skip_nonfinite(optax.adam(1e-2))
-grad_fn = training.scaled_value_and_grad(loss_fn, axis_name="d",
+tx = mpolicy.skip_nonfinite(optax.adam(1e-2))
+grad_fn = mpolicy.scaled_value_and_grad(loss_fn, axis_name="d",
                                          attribute_overflow=True)
 
 
@@ -93,7 +93,7 @@ def record(prefix, before, after):
   facts[prefix + "inner_state_unchanged"] = same_bits(
       state1.inner_state, state0.inner_state)
   facts[prefix + "flagged"] = sorted(set(
-      training.nonfinite_paths(jax.tree_util.tree_map(lambda f: f[0], flags))))
+      mpolicy.nonfinite_paths(jax.tree_util.tree_map(lambda f: f[0], flags))))
   facts[prefix + "flags_same_on_all"] = rows_equal(flags)
 
 

@@ -15,7 +15,8 @@ batch is split over. The helpers keep three promises across devices:
   does not record which gradients it summed: every gradient is treated as
   a replicated parameter's and `pmean`-ed over the data axes (so FSDP
   needs `check_vma=True`), and a mesh with axes besides the data axes is
-  refused.
+  refused. Real floating leaves are averaged in `reduce_dtype`, complex
+  ones in their own dtype, other leaves not at all.
 * The finiteness flag is agreed over *every* axis bound where the step is
   traced (data and model axes alike), so all devices skip together and the
   loss scale stays the same everywhere.
@@ -31,14 +32,22 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 
 PyTree = Any
 
 
-def _is_floating(x: Any) -> bool:
+def _work_dtype(x: Any, reduce_dtype: Any) -> Any:
+  """The dtype to average `x` in: `reduce_dtype` for a real floating leaf
+  (its own dtype if None), its own dtype for a complex one (a real
+  `reduce_dtype` would drop the imaginary part), None to leave it alone."""
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+  if dtypes.is_float(dtype):
+    return dtype if reduce_dtype is None else reduce_dtype
+  if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  return None
 
 
 def data_axes(axis_name: Any) -> tuple:
@@ -68,9 +77,9 @@ def _in_shard_map(axes: tuple) -> bool:
 
 
 def _mean_over(x: Any, axes: tuple, reduce_dtype: Any) -> Any:
-  if not _is_floating(x) or not axes:
+  work = _work_dtype(x, reduce_dtype)
+  if work is None or not axes:
     return x
-  work = x.dtype if reduce_dtype is None else reduce_dtype
   return lax.pmean(x.astype(work), axes).astype(x.dtype)
 
 
@@ -145,9 +154,9 @@ def average_grads(grads: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
     count = int(np.prod([lax.axis_size(a) for a in axes]))
 
     def divide(g):
-      if not _is_floating(g):
+      work = _work_dtype(g, reduce_dtype)
+      if work is None:
         return g
-      work = g.dtype if reduce_dtype is None else reduce_dtype
       return (g.astype(work) / count).astype(g.dtype)
     return jax.tree_util.tree_map(divide, grads)
   return jax.tree_util.tree_map(

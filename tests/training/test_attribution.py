@@ -8,7 +8,6 @@ import optax
 import pytest
 
 import mpolicy
-from mpolicy._src import training
 
 from _helpers import all_eqns
 from _helpers import facts_on_eight_devices
@@ -40,7 +39,7 @@ def _setup():
 
 def test_flags_and_paths_name_the_overflowing_parameter():
   params, tx, x = _setup()
-  step = jax.jit(training.make_train_step(_loss, tx, attribute_overflow=True))
+  step = jax.jit(mpolicy.make_train_step(_loss, tx, attribute_overflow=True))
   opt_state = tx.init(params)
   ls = mpolicy.DynamicLossScale(2. ** 15)
   out = step(params, opt_state, ls, x, jnp.float32(jnp.inf))
@@ -63,7 +62,7 @@ def test_with_state_the_flags_come_after_the_model_state():
   def loss_fn(params, state, x, factor):
     return _loss(params, x, factor), {"n": state["n"] + 1}
 
-  step = jax.jit(training.make_train_step(
+  step = jax.jit(mpolicy.make_train_step(
       loss_fn, tx, has_state=True, attribute_overflow=True))
   out = step(params, {"n": jnp.int32(0)}, tx.init(params),
              mpolicy.NoOpLossScale(), x, jnp.float32(jnp.nan))
@@ -73,7 +72,7 @@ def test_with_state_the_flags_come_after_the_model_state():
 
 def test_without_attribution_the_result_says_how_to_ask():
   params, tx, x = _setup()
-  out = training.make_train_step(_loss, tx)(
+  out = mpolicy.make_train_step(_loss, tx)(
       params, tx.init(params), mpolicy.NoOpLossScale(), x, jnp.float32(1.))
   assert out.nonfinite is None
   with pytest.raises(ValueError, match=r"attribute_overflow=True"):
@@ -84,9 +83,9 @@ def test_attribution_adds_no_backward_pass_and_no_host_transfer():
   params, tx, x = _setup()
   args = (params, tx.init(params), mpolicy.DynamicLossScale(2. ** 15), x,
           jnp.float32(1.))
-  plain = all_eqns(training.make_train_step(_loss, tx), *args)
+  plain = all_eqns(mpolicy.make_train_step(_loss, tx), *args)
   flagged = all_eqns(
-      training.make_train_step(_loss, tx, attribute_overflow=True), *args)
+      mpolicy.make_train_step(_loss, tx, attribute_overflow=True), *args)
   count = lambda eqns, word: sum(word in e.primitive.name for e in eqns)
   for word in ("dot", "custom_vjp", "tanh"):
     assert count(flagged, word) == count(plain, word), word

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from mpolicy._src import dtypes as dtypes_lib
-from mpolicy._src import stochastic_rounding
-from mpolicy._src import training
+from mpolicy._src.training import _trees
+from mpolicy._src.training import attribution
+from mpolicy._src.training import stochastic_rounding
 
 DtypeChoice = Callable[[str, str], Optional[Any]]
 _ROUNDINGS = ("nearest", "stochastic")
@@ -102,7 +103,7 @@ def _cast_state(state: Any, params: Any, choose: DtypeChoice,
     seen.add(field)
 
     def cast(param_path, leaf):
-      dtype = choose(field, training.path_str(param_path))
+      dtype = choose(field, attribution.path_str(param_path))
       if dtype is None or not dtypes_lib.is_float(dtypes_lib.dtype_of(leaf)):
         return leaf
       return jnp.asarray(leaf).astype(dtype)
@@ -128,7 +129,7 @@ def _wide(x: Any) -> Any:
 
 
 def _write_nearest(new: Any, old: Any) -> Any:
-  return training._cast_like(new, old)  # pylint: disable=protected-access
+  return _trees.cast_like(new, old)
 
 
 def with_state_dtypes(
@@ -195,7 +196,7 @@ def with_state_dtypes(
 
   def init(params):
     state = _cast_state(inner.init(params), params, choose, required)
-    state = jax.tree_util.tree_map(training._strong, state)  # pylint: disable=protected-access
+    state = jax.tree_util.tree_map(_trees.strong, state)
     return StateDtypesState(state, jnp.zeros([], jnp.int32))
 
   def write(new_state, old_state, count):

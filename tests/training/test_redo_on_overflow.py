@@ -10,7 +10,6 @@ import pytest
 
 import mpolicy
 from mpolicy._src import loss_scale as ls_lib
-from mpolicy._src import training
 
 from _helpers import facts_on_eight_devices, same_bits, walk_eqns
 
@@ -50,7 +49,7 @@ def _primitives(fn, *args):
 
 
 def test_without_retries_the_overflow_is_only_reported():
-  ls, finite, value, grads = training.scaled_value_and_grad(_loss)(
+  ls, finite, value, grads = mpolicy.scaled_value_and_grad(_loss)(
       DynamicLossScale(2. ** 15), W, C)
   assert not bool(finite) and float(ls.loss_scale) == 2. ** 14
   assert float(value) == 12. and bool(jnp.isinf(grads).all())
@@ -58,7 +57,7 @@ def test_without_retries_the_overflow_is_only_reported():
 
 @pytest.mark.parametrize("retries", [2, 3, 10])
 def test_the_same_call_backs_off_and_returns_finite_grads(retries):
-  grad_fn = jax.jit(training.scaled_value_and_grad(_loss, max_retries=retries))
+  grad_fn = jax.jit(mpolicy.scaled_value_and_grad(_loss, max_retries=retries))
   ls, finite, value, grads = grad_fn(DynamicLossScale(2. ** 15), W, C)
   assert bool(finite)
   assert grads.dtype == jnp.float16 and grads.tolist() == [4., 4., 4.]
@@ -69,7 +68,7 @@ def test_the_same_call_backs_off_and_returns_finite_grads(retries):
 
 
 def test_it_gives_up_after_max_retries_and_the_step_is_skipped():
-  grad_fn = jax.jit(training.scaled_value_and_grad(_loss, max_retries=1))
+  grad_fn = jax.jit(mpolicy.scaled_value_and_grad(_loss, max_retries=1))
   ls, finite, _, grads = grad_fn(DynamicLossScale(2. ** 15), W, C)
   # Attempts at 2**15 and 2**14 both overflow; the scale after the last
   # attempt is 2**13: reduced max_retries + 1 times.
@@ -79,7 +78,7 @@ def test_it_gives_up_after_max_retries_and_the_step_is_skipped():
   tx = optax.adam(1e-2)
   params = jnp.ones(3, jnp.float32)
   state = tx.init(params)
-  new_params, new_state = training.update_if_finite(tx, grads, state, params,
+  new_params, new_state = mpolicy.update_if_finite(tx, grads, state, params,
                                                     finite)
   assert same_bits(new_params, params) and same_bits(new_state, state)
 
@@ -87,7 +86,7 @@ def test_it_gives_up_after_max_retries_and_the_step_is_skipped():
 @pytest.mark.parametrize("retries", [1, 3])
 def test_a_gradient_that_is_never_finite_backs_off_retries_plus_one_times(
     retries):
-  grad_fn = training.scaled_value_and_grad(_always_inf, max_retries=retries)
+  grad_fn = mpolicy.scaled_value_and_grad(_always_inf, max_retries=retries)
   ls, finite, _, grads = grad_fn(DynamicLossScale(2. ** 15), W, C)
   assert not bool(finite) and not bool(jnp.isfinite(grads).any())
   assert float(ls.loss_scale) == 2. ** (15 - retries - 1)
@@ -100,7 +99,7 @@ def test_the_forward_and_backward_run_once_when_finite_and_once_per_retry():
     jax.debug.callback(lambda: runs.append(1))
     return _loss(w, c)
 
-  grad_fn = jax.jit(training.scaled_value_and_grad(loss, max_retries=5))
+  grad_fn = jax.jit(mpolicy.scaled_value_and_grad(loss, max_retries=5))
   _, finite, _, _ = grad_fn(DynamicLossScale(2. ** 12), W, C)
   jax.effects_barrier()
   assert bool(finite) and len(runs) == 1
@@ -117,7 +116,7 @@ def test_retrying_stops_once_the_scale_is_at_its_floor():
     jax.debug.callback(lambda: runs.append(1))
     return _always_inf(w, c)
 
-  grad_fn = training.scaled_value_and_grad(loss, max_retries=10)
+  grad_fn = mpolicy.scaled_value_and_grad(loss, max_retries=10)
   ls, finite, _, _ = grad_fn(DynamicLossScale(16., min_loss_scale=4.), W, C)
   jax.effects_barrier()
   # 16 -> 8 -> 4; at 4 another back-off would not lower it, so 3 attempts.
@@ -129,29 +128,29 @@ def test_retrying_stops_once_the_scale_is_at_its_floor():
                                 ls_lib.StaticLossScale(2. ** 15)],
                          ids=["noop", "static"])
 def test_a_scale_that_cannot_back_off_makes_retries_a_no_op(ls):
-  plain = training.scaled_value_and_grad(_loss)
-  retrying = training.scaled_value_and_grad(_loss, max_retries=4)
+  plain = mpolicy.scaled_value_and_grad(_loss)
+  retrying = mpolicy.scaled_value_and_grad(_loss, max_retries=4)
   assert "while" not in _primitives(retrying, ls, W, C)
   assert same_bits(retrying(ls, W, C), plain(ls, W, C))
 
 
 def test_zero_retries_traces_exactly_as_before():
   ls = DynamicLossScale(2. ** 15)
-  default = jax.make_jaxpr(training.scaled_value_and_grad(_loss))(ls, W, C)
-  zero = jax.make_jaxpr(training.scaled_value_and_grad(_loss, max_retries=0))(
+  default = jax.make_jaxpr(mpolicy.scaled_value_and_grad(_loss))(ls, W, C)
+  zero = jax.make_jaxpr(mpolicy.scaled_value_and_grad(_loss, max_retries=0))(
       ls, W, C)
   assert str(default) == str(zero)
   assert "while" not in _primitives(
-      training.scaled_value_and_grad(_loss), ls, W, C)
+      mpolicy.scaled_value_and_grad(_loss), ls, W, C)
   whiles = [p for p in _primitives(
-      training.scaled_value_and_grad(_loss, max_retries=3), ls, W, C)
+      mpolicy.scaled_value_and_grad(_loss, max_retries=3), ls, W, C)
             if p == "while"]
   assert len(whiles) == 1
 
 
 def test_a_jitted_step_traces_once_across_overflowing_and_finite_steps():
   traces = []
-  grad_fn = training.scaled_value_and_grad(_loss, max_retries=3)
+  grad_fn = mpolicy.scaled_value_and_grad(_loss, max_retries=3)
 
   @jax.jit
   def step(ls, w, c):
@@ -174,7 +173,7 @@ def test_has_aux_grad_dtype_and_attribution_come_from_the_last_attempt():
   def loss(w, c):
     return _loss(w, c), {"n": 3, "half": w * 2}
 
-  grad_fn = training.scaled_value_and_grad(
+  grad_fn = mpolicy.scaled_value_and_grad(
       loss, has_aux=True, grad_dtype=jnp.float32, attribute_overflow=True,
       max_retries=2)
   ls, finite, (value, aux), grads, flags = grad_fn(
@@ -188,7 +187,7 @@ def test_has_aux_grad_dtype_and_attribution_come_from_the_last_attempt():
 def test_vmapped_loss_scales_retry_independently():
   scales = DynamicLossScale(jnp.array([2. ** 15, 2. ** 12]),
                             jnp.zeros(2, jnp.int32))
-  grad_fn = training.scaled_value_and_grad(_loss, max_retries=3)
+  grad_fn = mpolicy.scaled_value_and_grad(_loss, max_retries=3)
   ls, finite, _, grads = jax.vmap(grad_fn, in_axes=(0, None, None))(
       scales, W, C)
   np.testing.assert_array_equal(finite, [True, True])
@@ -199,7 +198,7 @@ def test_vmapped_loss_scales_retry_independently():
 
 def test_with_an_axis_name_every_replica_retries_together():
   # Replica 1 overflows down to 2**13; replica 0 would be fine at 2**15.
-  grad_fn = training.scaled_value_and_grad(_loss, axis_name="r",
+  grad_fn = mpolicy.scaled_value_and_grad(_loss, axis_name="r",
                                            max_retries=3)
   cs = jnp.array([1., 4.], jnp.float16)
   ls, finite, _, grads = jax.vmap(
@@ -215,7 +214,7 @@ def test_with_an_axis_name_every_replica_retries_together():
                                        (None, TypeError)])
 def test_max_retries_must_be_a_non_negative_int(bad, error):
   with pytest.raises(error, match=r"max_retries must be a non-negative int"):
-    training.scaled_value_and_grad(_loss, max_retries=bad)
+    mpolicy.scaled_value_and_grad(_loss, max_retries=bad)
 
 
 _MULTIDEVICE = r'''
@@ -227,7 +226,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import mpolicy
 from mpolicy._src import loss_scale as ls_lib
-from mpolicy._src import training
 
 N = jax.device_count()
 facts = {}
@@ -237,7 +235,7 @@ def loss(w, c):
   return jnp.sum(w.astype(jnp.float16) * c).astype(jnp.float32)
 
 
-grad_fn = training.scaled_value_and_grad(loss, axis_name="d", max_retries=3)
+grad_fn = mpolicy.scaled_value_and_grad(loss, axis_name="d", max_retries=3)
 w = jnp.ones(3, jnp.float16)
 cs = jnp.ones(N, jnp.float16).at[5].set(4.)  # Only device 5 overflows.
 ls = ls_lib.DynamicLossScale(2. ** 15)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from mpolicy._src import dtypes as dtypes_lib
-from mpolicy._src import stochastic_rounding
+from mpolicy._src.training import stochastic_rounding
 
 PyTree = Any
 _PARAM_STREAM = 0x5EED  # Keeps these keys apart from the state's (same seed).

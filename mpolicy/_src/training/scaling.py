@@ -1,0 +1,299 @@
+"""Loss-scaled gradients: scale, grad, unscale, check, adjust, in one call.
+
+`scaled_value_and_grad` wraps a loss function so that one traced call
+scales the loss, differentiates it, unscales the gradients, checks them for
+inf/NaN (all-reduced across devices when given an `axis_name`) and adjusts
+the loss scale, optionally redoing an overflowing step at a lower scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import distributed
+from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src.training import _trees
+from mpolicy._src.training import attribution
+
+LossScale = loss_scale_lib.LossScale
+
+
+# --- Checks on what is passed -----------------------------------------------
+
+
+def _check_max_retries(max_retries: Any) -> int:
+  is_int = (isinstance(max_retries, (int, np.integer))
+            and not isinstance(max_retries, (bool, np.bool_)))
+  if not is_int or max_retries < 0:
+    raise (ValueError if is_int else TypeError)(
+        "scaled_value_and_grad: max_retries must be a non-negative int (how "
+        "many times to back off and recompute a non-finite gradient in the "
+        f"same call; 0 for never), got {max_retries!r}.")
+  return int(max_retries)
+
+
+def _leaf_desc(x: Any) -> str:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return type(x).__name__
+  return f"{np.dtype(dtype).name}{list(np.shape(x))}"
+
+
+def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
+  """Raises TypeError naming every non-floating leaf we would differentiate."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  bad = []
+  for i in nums:
+    if i >= len(args) or i < -len(args):
+      raise ValueError(f"scaled_value_and_grad: argnums={argnums!r} refers to "
+                       f"positional argument {i}, but only {len(args)} were "
+                       "passed (after the loss scale).")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+      if isinstance(leaf, bool) or not (isinstance(leaf, float)
+                                        or _trees.is_floating(leaf)
+                                        or _trees.is_complex(leaf)):
+        bad.append(f"args[{i}]{jax.tree_util.keystr(path)}: {_leaf_desc(leaf)}")
+  if bad:
+    raise TypeError(
+        "scaled_value_and_grad: cannot differentiate with respect to "
+        "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
+        "leaves (float16, bfloat16, float32, float64) and complex ones are "
+        "accepted in the arguments named by argnums; pass integer data (step "
+        "counts, token ids) through another argument, or cast it to a float "
+        "dtype.")
+
+
+def _check_loss(loss: Any) -> None:
+  shape, dtype = np.shape(loss), getattr(loss, "dtype", None)
+  if dtype is None:
+    dtype = np.result_type(loss)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        "scaled_value_and_grad: fun must return a real floating-point scalar "
+        f"loss (shape ()), got {np.dtype(dtype).name} of shape {shape}. "
+        "Reduce it to a scalar (e.g. `.mean()` or `.sum()`), or, to return "
+        "extra outputs, return `(loss, aux)` and pass has_aux=True.")
+
+
+
+# --- The pieces of one call --------------------------------------------------
+
+
+def _scaled_loss(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """`scaled(loss_scale, *args)`: `(loss_scale.scale(loss), (loss, aux))`."""
+
+  def scaled(loss_scale, *args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            "scaled_value_and_grad: with has_aux=True, fun must return a pair "
+            f"(loss, aux), got {type(out).__name__}.")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    _check_loss(loss)
+    # Only the cotangent matters: the scaled loss's value is never used, so
+    # it may overflow (e.g. a float16 loss of 8 times 2**15) harmlessly.
+    return loss_scale.scale(loss), (loss, aux)
+
+  return scaled
+
+
+def _unscale(loss_scale: LossScale, grads: Any, grad_dtype: Any) -> Any:
+  """The unscaled gradients, each in its parameter's dtype or `grad_dtype`."""
+  # Loss scales unscale real floating leaves: complex ones go through as
+  # their real and imaginary parts.
+  unscaled = _trees.join_complex(
+      loss_scale.unscale(_trees.split_complex(grads)), grads)
+  # Loss scales following the contract return each leaf in its own dtype;
+  # cast anyway, so a loss scale whose `unscale` promotes half leaves to
+  # float32 (such as jmp's) works here too.
+  return jax.tree_util.tree_map(
+      lambda u, g: u.astype(g.dtype if grad_dtype is None else grad_dtype)
+      if _trees.is_floating(g) else u, unscaled, grads)
+
+
+def _attempt(scaled_fun, nums, grad_dtype, axis_name, reduce_dtype):
+  """`attempt(loss_scale, *args)`: one scaled forward and backward, giving
+  `(grads, grads_finite, loss, aux)`, reduced over `axis_name`."""
+  grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
+
+  def attempt(loss_scale, *args, **kwargs):
+    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
+    grads = _unscale(loss_scale, grads, grad_dtype)
+    if axis_name is not None:
+      distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
+      grads = distributed.average_grads(grads, axis_name, reduce_dtype)
+      loss = distributed.average_value(loss, axis_name, reduce_dtype)
+    grads_finite = distributed.agree_finite(
+        loss_scale_lib.all_finite(grads), axis_name)
+    return grads, grads_finite, loss, aux
+
+  return attempt
+
+
+def _retry(attempt, max_retries: int, loss_scale, grads, grads_finite, args,
+           kwargs):
+  """Backs off and recomputes while not finite, up to `max_retries` times."""
+
+  def lowers(ls):
+    return jnp.all(ls.adjust(jnp.bool_(False)).loss_scale < ls.loss_scale)
+
+  def cond(carry):
+    ls, _, finite, tries = carry
+    return ~finite & (tries < max_retries) & lowers(ls)
+
+  def body(carry):
+    ls, _, _, tries = carry
+    ls = ls.adjust(jnp.bool_(False))
+    grads, finite, _, _ = attempt(ls, *args, **kwargs)
+    return ls, grads, finite, tries + 1
+
+  loss_scale, grads, grads_finite, _ = lax.while_loop(
+      cond, body, (loss_scale, grads, grads_finite, jnp.zeros([], jnp.int32)))
+  return loss_scale, grads, grads_finite
+
+
+def _agreed_flags(grads: Any, axis_name: Any) -> Any:
+  """`nonfinite_flags(grads)`, each True on every device if on any."""
+  flags = attribution.nonfinite_flags(grads)
+  leaves, treedef = jax.tree_util.tree_flatten(flags)
+  if axis_name is not None and leaves:  # One collective for all flags.
+    agreed = ~distributed.agree_finite(~jnp.stack(leaves), axis_name)
+    flags = jax.tree_util.tree_unflatten(treedef, list(agreed))
+  return flags
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    axis_name: Any = None,
+    reduce_dtype: Any = jnp.float32,
+    grad_dtype: Any = None,
+    attribute_overflow: bool = False,
+    max_retries: int = 0,
+) -> Callable[..., tuple[Any, ...]]:
+  """Loss-scaled `jax.value_and_grad`, with the finiteness check and adjustment.
+
+  Returns `g(loss_scale, *args, **kwargs)` which, in one traced call:
+
+  1. evaluates `fun(*args, **kwargs)` and differentiates
+     `loss_scale.scale(loss)` with respect to `args[argnums]` (the loss
+     scale is not counted in `argnums`);
+  2. unscales the gradients, each back in its parameter's dtype (or in
+     `grad_dtype`);
+  3. with `axis_name`: averages the gradients and the loss over the devices
+     in `reduce_dtype`;
+  4. computes `grads_finite = all_finite(grads)`, all-reduced over
+     `axis_name` so every device sees the same flag;
+  5. returns `loss_scale.adjust(grads_finite)` as the new loss scale, the
+     same on every device too.
+
+  Nothing here syncs with the host, and nothing skips the update: pass
+  `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
+
+  `axis_name` names the data axes only. Under `pmap` the per-device
+  gradients are `pmean`-ed; inside `shard_map` (with `check_vma=True`) JAX
+  has already summed each gradient over the devices sharing its parameter
+  (replicated, FSDP-sharded or tensor-parallel), so the sum is divided by
+  the number of data-parallel devices: the result is the gradient of the
+  loss averaged over the data axes either way, never averaged across a
+  parameter's shards. The finiteness flag is agreed over every bound axis.
+
+  With `max_retries=N > 0`, a non-finite step is redone in the same call:
+  the scale backs off (`loss_scale.adjust(False)`) and the forward and
+  backward run again (a `lax.while_loop` whose body runs only while the
+  gradients are not finite), up to N times, stopping early once the scale
+  cannot go lower. The flag and grads returned are the last attempt's;
+  after a success on retry k the scale is `factor ** k` lower (and counts
+  one finite step), and if every attempt overflows it is
+  `factor ** (N + 1)` lower and the flag is False. `value` is the first
+  attempt's (the forward does not depend on the scale). Retries all-reduce
+  their flags, so every device loops the same number of times. A
+  `NoOpLossScale` or `StaticLossScale` cannot back off, so for them
+  `max_retries` has no effect. On a finite step the cost is, on GPU, a
+  read-back of the loop condition, and a program that holds the backward
+  twice (longer compiles): use it where overflows are frequent enough that
+  skipped steps cost more.
+
+  Complex parameters are differentiated, unscaled, averaged and checked
+  for inf/NaN like real ones, but their gradients always come back in their
+  own dtype: `grad_dtype` and `reduce_dtype` apply to real floating leaves.
+
+  Args:
+    fun: returns a real floating scalar loss, or `(loss, aux)` if `has_aux`.
+    argnums: which positional arguments of `fun` to differentiate, as in
+      `jax.value_and_grad`. Their leaves must all be floating point (real
+      or complex).
+    has_aux: whether `fun` returns `(loss, aux)`.
+    axis_name: the data axes of `pmap` / `shard_map` (those the batch is
+      split over) to average the gradients and the loss over; the flag is
+      agreed over every axis. None for one device, or for plain `jit` over
+      sharded arrays, where reductions are global. Naming a model axis
+      inside `shard_map` raises a `ValueError` saying what to pass.
+    reduce_dtype: dtype the helper's cross-device mean is computed in
+      (float32 by default, so a sum of half gradients cannot overflow;
+      inside `shard_map` JAX's own sum runs in the gradient's dtype and
+      only the division uses it); pass
+      `policy.param_dtype` to follow a policy, None for each leaf's dtype.
+    grad_dtype: dtype to return the real floating gradients in; None keeps
+      each leaf's own dtype. float32 keeps tiny unscaled gradients of
+      float16 params from underflowing (see `master_weights`).
+    attribute_overflow: also return `nonfinite_flags(grads)` (all-reduced
+      over `axis_name`) as a fifth element, for `nonfinite_paths`.
+    max_retries: how many times to back off and recompute a non-finite
+      gradient in the same call; 0 (the default) computes once.
+
+  Returns:
+    `g(loss_scale, *args, **kwargs) -> (new_loss_scale, grads_finite, value,
+    grads)`, plus the flags with `attribute_overflow=True`. `value` is the
+    unscaled loss, or `(loss, aux)` with `has_aux=True`.
+
+  Raises:
+    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+      or non-floating loss, or if a leaf of a differentiated argument is not
+      floating point (the message names each offending leaf).
+
+  >>> import jax.numpy as jnp, mpolicy
+  >>> loss_fn = lambda w, x: jnp.sum((w * x) ** 2)
+  >>> grad_fn = scaled_value_and_grad(loss_fn)
+  >>> ls = mpolicy.DynamicLossScale(jnp.float32(2. ** 15))
+  >>> ls, finite, loss, grads = grad_fn(ls, jnp.ones(2), jnp.full(2, 3.))
+  >>> bool(finite), float(loss), grads.tolist()
+  (True, 18.0, [18.0, 18.0])
+
+  See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
+  `DynamicLossScale`.
+  """
+  max_retries = _check_max_retries(max_retries)
+  nums = (argnums + 1 if isinstance(argnums, int)
+          else tuple(i + 1 for i in argnums))
+  attempt = _attempt(_scaled_loss(fun, has_aux), nums, grad_dtype, axis_name,
+                     reduce_dtype)
+
+  def g(loss_scale: LossScale, *args, **kwargs):
+    _check_differentiable(args, argnums)
+    grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
+    # A loss scale without array leaves (NoOp, Static) cannot back off inside
+    # a traced call: a retry would recompute the very same overflow.
+    if max_retries and jax.tree_util.tree_leaves(loss_scale):
+      loss_scale, grads, grads_finite = _retry(
+          attempt, max_retries, loss_scale, grads, grads_finite, args, kwargs)
+    new_loss_scale = loss_scale.adjust(grads_finite)
+    value = (loss, aux) if has_aux else loss
+    if not attribute_overflow:
+      return new_loss_scale, grads_finite, value, grads
+    return (new_loss_scale, grads_finite, value, grads,
+            _agreed_flags(grads, axis_name))
+
+  return g
