@@ -52,7 +52,7 @@ def facts_on_eight_devices(script: str) -> dict:
                       " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(repo), env.get("PYTHONPATH")) if p)
+      p for p in (str(repo), str(repo / "tests"), env.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env,
                         capture_output=True, text=True, timeout=300)
   if proc.returncode != 0:

@@ -1,8 +1,10 @@
-"""Shared test set-up: every test starts and ends with an empty registry."""
+"""Shared test set-up: every test starts and ends with an empty registry,
+and a module's 8-device facts are computed once (`eight_devices`)."""
 
 import pytest
 
 import mpolicy
+from _helpers import facts_on_eight_devices
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +12,16 @@ def _empty_registry():
   mpolicy.clear_policies()
   yield
   mpolicy.clear_policies()
+
+
+@pytest.fixture(scope="module")
+def eight_devices(request) -> dict:
+  """The facts the test module's ``EIGHT_DEVICES`` script prints, computed
+  once per module in a Python with 8 simulated CPU devices (this process
+  keeps its one device). The script prints one line ``FACTS=<json>``; it
+  may import the tests' `_helpers`."""
+  script = getattr(request.module, "EIGHT_DEVICES", None)
+  if script is None:
+    raise RuntimeError(f"{request.module.__name__} uses the eight_devices "
+                       "fixture but defines no EIGHT_DEVICES script")
+  return facts_on_eight_devices(script)

@@ -17,7 +17,6 @@ import mpolicy
 from mpolicy._src import checkpoint
 from mpolicy._src import loss_scale as ls_lib
 
-from _helpers import facts_on_eight_devices
 from _helpers import same_bits
 
 
@@ -318,7 +317,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, half):
   assert int(resumed[1].total_notfinite) >= len(bad)
 
 
-_SHARDED = r"""
+EIGHT_DEVICES = r"""
 import json, tempfile
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -380,8 +379,8 @@ print("FACTS=" + json.dumps({
 """
 
 
-def test_sharded_state_resumes_bitwise_with_the_template_shardings():
-  facts = facts_on_eight_devices(_SHARDED)
+def test_sharded_state_resumes_bitwise_with_the_template_shardings(eight_devices):
+  facts = eight_devices
   assert facts["devices"] == 8
   assert facts["w1_spec"] == ["d"]
   assert facts["w1_shards"] == 8

@@ -11,12 +11,10 @@ below assert on them.
 
 from __future__ import annotations
 
-import functools
 import pytest
 
-from _helpers import facts_on_eight_devices
 
-_SCRIPT = r'''
+EIGHT_DEVICES = r'''
 import json, re
 import jax
 import jax.numpy as jnp
@@ -239,14 +237,11 @@ print("FACTS=" + json.dumps(facts))
 TOL = 5e-3  # bf16 compute: the one-device gradient has the same rounding.
 
 
-@functools.lru_cache(maxsize=1)
-def _facts() -> dict:
-  return facts_on_eight_devices(_SCRIPT)
 
 
-@pytest.fixture(scope="module")
-def facts():
-  return _facts()
+@pytest.fixture
+def facts(eight_devices):
+  return eight_devices
 
 
 def _ok(facts, name):

@@ -8,13 +8,11 @@ which the tests below assert on.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
-from _helpers import facts_on_eight_devices
 
-_SCRIPT = r'''
+EIGHT_DEVICES = r'''
 import json
 import jax
 import jax.numpy as jnp
@@ -129,18 +127,15 @@ print("FACTS=" + json.dumps(facts))
 '''
 
 
-@functools.cache
-def _facts() -> dict:
-  return facts_on_eight_devices(_SCRIPT)
 
 
-def test_the_subprocess_sees_eight_devices():
-  assert _facts()["device_count"] == 8
+def test_the_subprocess_sees_eight_devices(eight_devices):
+  assert eight_devices["device_count"] == 8
 
 
 @pytest.mark.parametrize("mode", ["pmap", "shmap"])
-def test_one_bad_device_makes_every_device_skip(mode):
-  facts = _facts()
+def test_one_bad_device_makes_every_device_skip(mode, eight_devices):
+  facts = eight_devices
   p = mode + "_bad_"
   assert facts[p + "finite"] == [False] * 8
   assert facts[p + "loss_scale"] == [2. ** 14] * 8
@@ -151,8 +146,8 @@ def test_one_bad_device_makes_every_device_skip(mode):
 
 
 @pytest.mark.parametrize("mode", ["pmap", "shmap"])
-def test_a_good_step_is_applied_identically_everywhere(mode):
-  facts = _facts()
+def test_a_good_step_is_applied_identically_everywhere(mode, eight_devices):
+  facts = eight_devices
   p = mode + "_good_"
   assert facts[p + "finite"] == [True] * 8
   assert facts[p + "loss_scale"] == [2. ** 15] * 8

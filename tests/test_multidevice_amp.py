@@ -6,13 +6,11 @@ subprocess prints one JSON object of facts for the tests to assert on.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
-from _helpers import facts_on_eight_devices
 
-_SCRIPT = r'''
+EIGHT_DEVICES = r'''
 import json
 import haiku as hk
 import jax
@@ -81,14 +79,11 @@ print("FACTS=" + json.dumps(facts))
 '''
 
 
-@functools.cache
-def _facts() -> dict:
-  return facts_on_eight_devices(_SCRIPT)
 
 
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
-def test_transform_amp_runs_bf16_matmuls_on_eight_devices(mode):
-  facts = _facts()
+def test_transform_amp_runs_bf16_matmuls_on_eight_devices(mode, eight_devices):
+  facts = eight_devices
   assert facts["devices"] == 8
   run = facts[mode]
   assert run["dtype"] == "float32"
@@ -97,7 +92,7 @@ def test_transform_amp_runs_bf16_matmuls_on_eight_devices(mode):
   assert run["err"] < 0.05
 
 
-def test_pmapped_grads_are_float32_and_agree_across_devices():
-  grad = _facts()["pmap_grad"]
+def test_pmapped_grads_are_float32_and_agree_across_devices(eight_devices):
+  grad = eight_devices["pmap_grad"]
   assert grad["dtypes"] == ["float32"]
   assert grad["same_on_every_device"] and grad["finite"]

@@ -9,13 +9,11 @@ one JSON object of facts for the tests to assert on.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
-from _helpers import facts_on_eight_devices
 
-_SCRIPT = r'''
+EIGHT_DEVICES = r'''
 import json
 import jax
 import jax.numpy as jnp
@@ -108,27 +106,23 @@ CASES = ("mixed_specs", "psum", "pmean", "all_gather", "scale_only",
          "psum_unchecked")
 
 
-@functools.cache
-def _facts() -> dict:
-  return facts_on_eight_devices(
-      "import sys; sys.path.insert(0, 'tests')\n" + _SCRIPT)
 
 
-def test_runs_on_eight_devices():
-  assert _facts()["devices"] == 8
+def test_runs_on_eight_devices(eight_devices):
+  assert eight_devices["devices"] == 8
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_full_policy_is_bitwise_the_plain_program(case):
-  run = _facts()[f"{case}/full"]
+def test_full_policy_is_bitwise_the_plain_program(case, eight_devices):
+  run = eight_devices[f"{case}/full"]
   assert run["same_bits"], run
   assert run["grad_same_bits"], run
   assert run["out_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_policy_is_close_to_float32_and_finite(case):
-  run = _facts()[f"{case}/bf16"]
+def test_bf16_policy_is_close_to_float32_and_finite(case, eight_devices):
+  run = eight_devices[f"{case}/bf16"]
   assert run["out_dtype"] == "float32"
   assert set(run["grad_dtypes"]) == {"float32"}
   assert run["finite"]
@@ -138,21 +132,21 @@ def test_bf16_policy_is_close_to_float32_and_finite(case):
 
 @pytest.mark.parametrize("case", ["mixed_specs", "psum", "all_gather",
                                   "psum_unchecked"])
-def test_bf16_policy_runs_body_matmuls_in_bfloat16(case):
-  full, half = _facts()[f"{case}/full"], _facts()[f"{case}/bf16"]
+def test_bf16_policy_runs_body_matmuls_in_bfloat16(case, eight_devices):
+  full, half = eight_devices[f"{case}/full"], eight_devices[f"{case}/bf16"]
   assert full["dots"] == ["float32,float32"]
   assert half["dots"] == ["bfloat16,bfloat16"], half
   assert half["grad_dots"] == ["bfloat16,bfloat16"], half
 
 
-def test_collectives_stay_in_the_body():
-  facts = _facts()
+def test_collectives_stay_in_the_body(eight_devices):
+  facts = eight_devices
   assert "psum" in " ".join(facts["psum/bf16"]["collectives"])
   assert "all_gather" in facts["all_gather/bf16"]["collectives"]
   assert "pvary" in facts["mixed_specs/bf16"]["collectives"]
 
 
-def test_full_op_in_the_body_runs_in_float32():
+def test_full_op_in_the_body_runs_in_float32(eight_devices):
   # tanh is unlisted: it runs in the dtype of its input, the bf16 matmul's.
-  assert _facts()["mixed_specs/bf16"]["exp_dtypes"] == ["bfloat16"]
-  assert _facts()["mixed_specs/full"]["exp_dtypes"] == ["float32"]
+  assert eight_devices["mixed_specs/bf16"]["exp_dtypes"] == ["bfloat16"]
+  assert eight_devices["mixed_specs/full"]["exp_dtypes"] == ["float32"]
