@@ -174,3 +174,31 @@ def bind_op(op: Op) -> list:
     op.args = [cast_as_traced(op.env, a, v.aval.dtype)
                for a, v in zip(op.args, op.eqn.invars)]
   return outs
+
+
+# --- What a matmul or convolution returns ------------------------------------
+
+
+def result_dtype(eqn, compute) -> np.dtype:
+  """What a matmul or convolution run in ``compute`` (half or float8)
+  returns: ``compute`` (bfloat16 for float8), or the wider
+  ``preferred_element_type`` the code asked for itself."""
+  pet = jax_compat.result_dtype(eqn)
+  traced_in = np.dtype(eqn.invars[0].aval.dtype)
+  if pet is not None and pet.itemsize > np.dtype(compute).itemsize and (
+      pet.itemsize > traced_in.itemsize or explicit_result_dtype(eqn)):
+    return pet  # The user asked for a wider result: keep it.
+  return np.dtype(compute)
+
+
+def explicit_result_dtype(eqn) -> bool:
+  """Whether the code wrote ``eqn``'s ``preferred_element_type`` itself.
+
+  `jax.numpy`'s matmuls (``@``, ``jnp.dot``, ``jnp.einsum``) set it to
+  their result dtype on their own, `jax.lax`'s do not: it is explicit if
+  the code called a `jax.lax` function, or wrote the keyword in its call.
+  """
+  called = jax_compat.called_jax_function(eqn)
+  if called is not None and "/lax/" in called[0].replace("\\", "/"):
+    return True
+  return "preferred_element_type" in jax_compat.user_source(eqn)

@@ -76,31 +76,7 @@ def _lower(op: base.Op) -> list:
              for a in op.args]
   if family.lower is None or not all_float:
     return base.bind_op(op)
-  return family.lower(op, compute, result_dtype(op.eqn, compute))
-
-
-def result_dtype(eqn, compute) -> np.dtype:
-  """What a half matmul or convolution returns: ``compute``, or the wider
-  ``preferred_element_type`` the code asked for itself."""
-  pet = jax_compat.result_dtype(eqn)
-  traced_in = np.dtype(eqn.invars[0].aval.dtype)
-  if pet is not None and pet.itemsize > np.dtype(compute).itemsize and (
-      pet.itemsize > traced_in.itemsize or explicit_result_dtype(eqn)):
-    return pet  # The user asked for a wider result: keep it.
-  return np.dtype(compute)
-
-
-def explicit_result_dtype(eqn) -> bool:
-  """Whether the code wrote ``eqn``'s ``preferred_element_type`` itself.
-
-  `jax.numpy`'s matmuls (``@``, ``jnp.dot``, ``jnp.einsum``) set it to
-  their result dtype on their own, `jax.lax`'s do not: it is explicit if
-  the code called a `jax.lax` function, or wrote the keyword in its call.
-  """
-  called = jax_compat.called_jax_function(eqn)
-  if called is not None and "/lax/" in called[0].replace("\\", "/"):
-    return True
-  return "preferred_element_type" in jax_compat.user_source(eqn)
+  return family.lower(op, compute, base.result_dtype(op.eqn, compute))
 
 
 # --- full -------------------------------------------------------------------

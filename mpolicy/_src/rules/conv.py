@@ -277,7 +277,7 @@ def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "
             f"{op.decided_by}")
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
-  out_dtype = fp8_scaling.result_dtype(op.eqn, op.policy.compute_dtype)
+  out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
   return [fp8_conv_general_dilated(lhs, rhs, out_dtype=out_dtype,
                                    **jax_compat.conv_params(op.eqn))]
 

@@ -23,7 +23,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mpolicy._src import jax_compat
 
 FORWARD_DTYPE = np.dtype(jnp.float8_e4m3fn)
 BACKWARD_DTYPE = np.dtype(jnp.float8_e5m2)
@@ -77,16 +76,3 @@ def rescale(out, scales, dtype):
   for scale in scales:
     out = out * scale
   return out.astype(dtype)
-
-
-def result_dtype(eqn, out_dtype) -> np.dtype:
-  """A float8 op's result: ``out_dtype`` (the policy's bfloat16), or the
-  equation's ``preferred_element_type`` where the traced code asked for a
-  result wider than its inputs (and than ``out_dtype``)."""
-  out_dtype = np.dtype(out_dtype)
-  pet = jax_compat.result_dtype(eqn)
-  traced_in = np.dtype(eqn.invars[0].aval.dtype)
-  if (pet is not None and pet.itemsize > traced_in.itemsize
-      and pet.itemsize > out_dtype.itemsize):
-    return pet
-  return out_dtype

@@ -377,7 +377,7 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
             f"{op.decided_by}")
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
-  out_dtype = fp8_scaling.result_dtype(op.eqn, op.policy.compute_dtype)
+  out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
   return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype)]
 
 
