@@ -42,6 +42,8 @@ from mpolicy._src.higher_order import UnsupportedPrimitiveError
 
 from mpolicy._src.explain import explain
 from mpolicy._src.explain import Report
+from mpolicy._src.fp8_stats import Fp8Report
+from mpolicy._src.fp8_stats import fp8_stats
 
 from mpolicy._src.haiku_bridge import current_policy
 from mpolicy._src.haiku_bridge import HaikuPolicyWarning
@@ -109,6 +111,8 @@ __all__ = (
     "current_policy",
     "explain",
     "explain_policy",
+    "Fp8Report",
+    "fp8_stats",
     "full_precision",
     "get_policy",
     "half_dtype",

@@ -96,6 +96,11 @@ class Op:
     return self.rules.reason_of(self.prim.name)
 
   @property
+  def scope(self) -> str:
+    """The plain scope names it was traced under, joined by ``/``."""
+    return "/".join(regions.plain_scope_names(self.names))
+
+  @property
   def decided_by(self) -> str:
     return self.region.decided_by if self.region is not None else "-"
 

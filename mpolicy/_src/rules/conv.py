@@ -36,6 +36,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
 amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
@@ -179,11 +180,17 @@ class _Fp8Config(NamedTuple):
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
+  label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
+
+  def observe(self, role: str):
+    return None if self.label is None else (self.label, role)
 
 
 def _scaled_conv_fwd(a, b, config: _Fp8Config):
-  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE)
-  bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE)
+  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE,
+                                observe=config.observe("lhs"))
+  bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE,
+                                observe=config.observe("rhs"))
   out = jax_compat.bind_conv(aq, bq, dict(config.params), jnp.float32)
   return fp8_scaling.rescale(out, (sa, sb), config.out_dtype), (aq, sa, bq, sb)
 
@@ -196,7 +203,8 @@ def _f32_accumulating(eqn, invals):
 def _scaled_conv_bwd(config: _Fp8Config, residuals, g):
   aq, sa, bq, sb = residuals
   params = dict(config.params)
-  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE)
+  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE,
+                                observe=config.observe("cotangent"))
   bf16 = jnp.bfloat16  # Holds float8_e4m3fn and float8_e5m2 values exactly.
   g16, a16, b16 = gq.astype(bf16), aq.astype(bf16), bq.astype(bf16)
   da = transposed("lhs", params, g16, b16, jax_compat.aval_of(aq),
@@ -214,7 +222,7 @@ _scaled_conv.defvjp(_scaled_conv_fwd, _scaled_conv_bwd)
 
 
 def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
-                             **params):
+                             label: Optional[str] = None, **params):
   """`conv_general_dilated` in float8 with per-tensor scales (module doc).
 
   ``params`` are the shape params of a ``conv_general_dilated`` jaxpr
@@ -235,6 +243,7 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
   Args:
     lhs, rhs: the input and the kernel, floating arrays.
     out_dtype: the result dtype; bfloat16 if ``None``.
+    label: the `fp8_probe` site whose counts its quantizations add to.
     **params: the convolution's shape params, as described above.
 
   Returns:
@@ -244,7 +253,7 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
                else np.dtype(out_dtype))
   kept = tuple(sorted(jax_compat.conv_params(params, precision=False).items()))
   config = _Fp8Config(kept, out_dtype, np.dtype(lhs.dtype),
-                      np.dtype(rhs.dtype))
+                      np.dtype(rhs.dtype), label)
   return _scaled_conv(lhs, rhs, config)
 
 
@@ -278,7 +287,9 @@ def _lower_conv_fp8(op: base.Op) -> Optional[list]:
             f"{op.decided_by}")
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
-  return [fp8_conv_general_dilated(lhs, rhs, out_dtype=out_dtype,
+  label = fp8_probe.new_site(op.scope, op.prim.name,
+                             fp8_probe.shape_of(lhs, rhs))
+  return [fp8_conv_general_dilated(lhs, rhs, out_dtype=out_dtype, label=label,
                                    **jax_compat.conv_params(op.eqn))]
 
 

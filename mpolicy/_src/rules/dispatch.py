@@ -108,7 +108,7 @@ def _decision(op: base.Op, invals, outs, names, casts: int) -> recording.Decisio
     if not ran or op.rule in special.CODE_CASTS:
       ran = sorted({dtypes.dtype_of(o).name for o in outs})  # Its result.
   return recording.Decision(
-      scope="/".join(regions.plain_scope_names(names)),
+      scope=op.scope,
       module_class=op.region.module_class if op.region is not None else None,
       primitive=op.prim.name,
       in_dtypes=tuple(dtypes.dtype_of(a).name for a in invals),

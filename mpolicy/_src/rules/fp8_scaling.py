@@ -23,13 +23,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src.rules import fp8_probe
+
 
 FORWARD_DTYPE = np.dtype(jnp.float8_e4m3fn)
 BACKWARD_DTYPE = np.dtype(jnp.float8_e5m2)
 DEFAULT_OUT_DTYPE = np.dtype(jnp.bfloat16)
 
 
-def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
+def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, observe=None):
   """Quantizes ``x`` to a float8 ``dtype`` with a scale per tensor or slice.
 
   The scale is ``amax(|x|) / max(dtype)`` (448 for float8_e4m3fn, 57344
@@ -51,6 +53,8 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
     x: a floating array.
     dtype: the float8 dtype to quantize to.
     axes: the axes each scale covers (an int or a tuple); ``None``: all.
+    observe: ``(label, role)`` of the float8 op this quantization belongs
+      to, for an open `fp8_probe` (``None``: not counted).
 
   Returns:
     ``(q, scale)``: ``q`` in ``dtype``, ``scale`` float32 with
@@ -63,8 +67,10 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None,
                  initial=0).astype(jnp.float32)
   scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
-  scaled = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax)
-  return scaled.astype(dtype), scale
+  q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+  if observe is not None:
+    fp8_probe.observe(*observe, x, q, scale, fmax)
+  return q, scale
 
 
 def rescale(out, scales, dtype):

@@ -39,6 +39,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
@@ -254,6 +255,10 @@ class _Fp8Config(NamedTuple):
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
+  label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
+
+  def observe(self, role: str):
+    return None if self.label is None else (self.label, role)
 
 
 def _mm(a, b, batched):
@@ -268,9 +273,11 @@ def _scaled_mm_fwd(a, b, config: _Fp8Config):
   # their scales factor out of the sum. The right operand gets one scale
   # per batch element.
   nb = 1 if config.batched else 0
-  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE, axes=-1)
+  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE, axes=-1,
+                                observe=config.observe("lhs"))
   bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE,
-                                axes=(nb, nb + 1) if nb else None)
+                                axes=(nb, nb + 1) if nb else None,
+                                observe=config.observe("rhs"))
   out = fp8_scaling.rescale(_mm(aq, bq, config.batched), (sa, sb),
                             config.out_dtype)
   return out, (aq, sa, bq, sb)
@@ -280,7 +287,8 @@ def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
   aq, sa, bq, sb = residuals
   nb = 1 if config.batched else 0
   per_batch = (nb, nb + 1) if nb else None
-  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch)
+  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
+                                observe=config.observe("cotangent"))
   batch = ((0,), (0,)) if config.batched else ((), ())
   # Each result takes its operand's layout, and under explicit sharding its
   # sharding too (the weight gradient contracts a sharded batch).
@@ -305,7 +313,8 @@ _scaled_mm.defvjp(_scaled_mm_fwd, _scaled_mm_bwd)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *,
-                    out_dtype: Optional[Any] = None):
+                    out_dtype: Optional[Any] = None,
+                    label: Optional[str] = None):
   """`jax.lax.dot_general` in float8 with current scaling (module doc).
 
   The operands are brought to ``[batch, M, K] x [batch, K, N]``, quantized
@@ -325,6 +334,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
       passed as they are).
     dimension_numbers: as for `jax.lax.dot_general`.
     out_dtype: the result dtype; bfloat16 if ``None``.
+    label: the `fp8_probe` site whose counts its quantizations add to.
 
   Returns:
     The product, in ``out_dtype``.
@@ -335,7 +345,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
                                       lhs_mk=True, rhs_kn=True)
   _, (lb, _) = dimension_numbers
   config = _Fp8Config(bool(lb), out_dtype, np.dtype(lhs.dtype),
-                      np.dtype(rhs.dtype))
+                      np.dtype(rhs.dtype), label)
   return _scaled_mm(a, b, config).reshape(out_shape)
 
 
@@ -378,7 +388,10 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
   out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
-  return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype)]
+  label = fp8_probe.new_site(op.scope, op.prim.name,
+                             fp8_probe.shape_of(lhs, rhs))
+  return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype,
+                          label=label)]
 
 
 def _lower_ragged(op: base.Op, compute, out_dtype) -> list:
