@@ -199,3 +199,25 @@ def test_dtype_predicates():
   key = jax.random.key(0)
   assert not dtypes.float_value(key)  # Typed PRNG keys are not floating.
   assert dtypes.is_traced(jnp.ones(2)) and not dtypes.is_traced(np.ones(2))
+
+
+def test_ragged_dot_general_accumulates_in_float32():
+  gs = jnp.array([3, 5], jnp.int32)
+  f = lambda x, w: jax.lax.ragged_dot(x, w, gs)
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+  w = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 4))
+  g = mpolicy.amp(f, "p=f32,c=bf16,o=f32")
+  (row,) = [r for r in _rows(g, x, w) if r.primitive == "ragged_dot_general"]
+  assert row.rule == "lower" and "backward products float32 x half" in (
+      row.decided_by)
+  (eqn,) = [e for e in all_eqns(g, x, w)
+            if e.primitive.name == "ragged_dot_general"]
+  assert [v.aval.dtype for v in eqn.invars[:2]] == [jnp.bfloat16] * 2
+  assert eqn.outvars[0].aval.dtype == jnp.float32  # Accumulated in float32.
+  want = f(x, w)
+  np.testing.assert_allclose(g(x, w), want, rtol=0.05, atol=0.05)
+  grads = jax.grad(lambda x, w: jnp.sum(g(x, w) ** 2), (0, 1))(x, w)
+  want_grads = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1))(x, w)
+  for got, ref in zip(grads, want_grads):
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.3)

@@ -61,7 +61,10 @@ def _lower(op: base.Op) -> list:
     # float64 is never narrowed: not to half, not to float8.
     return _inputs(op, why="lower op on float64: not eligible, runs in "
                    "float64 as written")
-  all_float = bool(floats) and len(floats) == len(op.args)
+  # The two operands of a matmul or convolution (a ragged dot's group sizes,
+  # its third, are integers).
+  all_float = len(op.args) >= 2 and all(
+      dtypes.float_value(a) for a in op.args[:2])
   if op.fp8_dtype is not None and family.lower_fp8 is not None and all_float:
     outs = family.lower_fp8(op)
     if outs is not None:
