@@ -1,6 +1,8 @@
-"""Helpers shared by the tests: walking jaxprs and comparing bits."""
+"""Helpers shared by the tests: walking jaxprs, comparing bits, poisoning
+gradients, running on 8 devices."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
@@ -73,3 +75,15 @@ def multiplies_in(eqn) -> tuple:
   if compute is not None:
     return tuple(np.dtype(compute) for _ in eqn.invars)
   return tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+
+
+@jax.custom_vjp
+def poison(x, factor):
+  """Identity forward; multiplies the cotangent by ``factor`` (1, inf or
+  nan), to make one gradient non-finite on purpose."""
+  del factor
+  return x
+
+
+poison.defvjp(lambda x, f: (x, f),
+              lambda f, ct: (ct * f.astype(ct.dtype), jnp.zeros_like(f)))

@@ -28,13 +28,7 @@ assert N == 8, N
 facts = {"device_count": N}
 
 
-@jax.custom_vjp
-def poison(x, factor):
-  del factor
-  return x
-
-poison.defvjp(lambda x, f: (x, f),
-              lambda f, ct: (ct * f.astype(ct.dtype), jnp.zeros_like(f)))
+from _helpers import poison
 
 
 def loss_fn(params, x, y, factor):

@@ -10,18 +10,11 @@ import pytest
 import mpolicy
 
 from _helpers import all_eqns
-from _helpers import facts_on_eight_devices
+from _helpers import poison
 from _helpers import same_bits
 
 
-@jax.custom_vjp
-def _poison(x, factor):
-  del factor
-  return x
-
-
-_poison.defvjp(lambda x, f: (x, f),
-               lambda f, ct: (ct * f.astype(ct.dtype), jnp.zeros_like(f)))
+_poison = poison
 
 
 def _loss(params, x, factor):
@@ -94,16 +87,12 @@ def test_attribution_adds_no_backward_pass_and_no_host_transfer():
   assert len(flagged) - len(plain) <= 3 * 2 * 2
 
 
-_PMAP = r"""
+EIGHT_DEVICES = r"""
 import json
 import jax, jax.numpy as jnp, optax
 import mpolicy
 
-@jax.custom_vjp
-def poison(x, factor):
-  return x
-poison.defvjp(lambda x, f: (x, f),
-              lambda f, ct: (ct * f.astype(ct.dtype), jnp.zeros_like(f)))
+from _helpers import poison
 
 def loss_fn(params, x, factor):
   h = jnp.tanh(x @ params["a"]) @ poison(params["b"], factor)
@@ -134,8 +123,8 @@ print("FACTS=" + json.dumps({
 """
 
 
-def test_under_pmap_every_device_reports_the_overflow_of_one():
-  facts = facts_on_eight_devices(_PMAP)
+def test_under_pmap_every_device_reports_the_overflow_of_one(eight_devices):
+  facts = eight_devices
   assert facts["devices"] == 8
   assert facts["finite"] == [False] * 8
   assert facts["b_flags"] == [True] * 8

@@ -11,7 +11,7 @@ import pytest
 import mpolicy
 from mpolicy._src import loss_scale as ls_lib
 
-from _helpers import facts_on_eight_devices, same_bits, walk_eqns
+from _helpers import same_bits, walk_eqns
 
 DynamicLossScale = ls_lib.DynamicLossScale
 
@@ -217,7 +217,7 @@ def test_max_retries_must_be_a_non_negative_int(bad, error):
     mpolicy.scaled_value_and_grad(_loss, max_retries=bad)
 
 
-_MULTIDEVICE = r'''
+EIGHT_DEVICES = r'''
 import json
 import jax
 import jax.numpy as jnp
@@ -267,8 +267,8 @@ print("FACTS=" + json.dumps(facts))
 '''
 
 
-def test_pmap_and_shard_map_devices_retry_together():
-  facts = facts_on_eight_devices(_MULTIDEVICE)
+def test_pmap_and_shard_map_devices_retry_together(eight_devices):
+  facts = eight_devices
   # pmap: device 5's own float16 gradient 4 * scale fits from 2**13 on; the
   # per-device gradients are then averaged: (7 * 1 + 4) / 8.
   # shard_map: AD sums the replicated param's gradient over the devices in
