@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,7 +31,7 @@ BACKWARD_DTYPE = np.dtype(jnp.float8_e5m2)
 DEFAULT_OUT_DTYPE = np.dtype(jnp.bfloat16)
 
 
-def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
+def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, mesh_axes=()):
   """Quantizes ``x`` to a float8 ``dtype`` with a scale per tensor or slice.
 
   The scale is ``amax(|x|) / max(dtype)`` (448 for float8_e4m3fn, 57344
@@ -52,6 +53,8 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
     x: a floating array.
     dtype: the float8 dtype to quantize to.
     axes: the axes each scale covers (an int or a tuple); ``None``: all.
+    mesh_axes: `shard_map` mesh axes whose devices share each scale: the
+      amax is their maximum (`jax.lax.pmax`); empty: this device's own.
 
   Returns:
     ``(q, scale)``: ``q`` in ``dtype``, ``scale`` float32 with
@@ -63,6 +66,8 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None):
   # `initial=0` gives 0 for an empty array (and empty slices): scale 1.
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None,
                  initial=0).astype(jnp.float32)
+  if mesh_axes:
+    amax = lax.pmax(amax, tuple(mesh_axes))
   scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
   scaled = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax)
   return scaled.astype(dtype), scale
