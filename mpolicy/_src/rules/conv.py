@@ -186,6 +186,7 @@ class _Fp8Config(NamedTuple):
 
 
 def _varying(x) -> tuple:
+  """Every axis ``x`` varies over: a per-tensor scale spans them all."""
   return tuple(sorted(jax_compat.varying_axes(x)))
 
 

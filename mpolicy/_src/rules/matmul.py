@@ -39,6 +39,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_scaling
 
@@ -267,32 +268,6 @@ def _mm(a, b, batched):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _mesh_axes(a, b, per_tensor: bool, batched: bool) -> tuple[tuple, tuple]:
-  """The `shard_map` axes each operand's scales are shared over.
-
-  A per-tensor scale spans the whole operand: the maximum over every axis
-  it varies over is the amax of the global array. A row's scale spans the
-  contraction K, which is split across devices only over axes both
-  operands vary over (row-parallel: ``x`` and ``w`` both split along K);
-  over axes only the left operand varies over, devices hold other rows.
-  Per-batch-element scales (batched matmuls) stay on their device: the
-  batch (examples, heads) is what is split there.
-  """
-  va, vb = jax_compat.varying_axes(a), jax_compat.varying_axes(b)
-  if per_tensor:
-    return tuple(sorted(va)), tuple(sorted(vb))
-  if batched:
-    return (), ()
-  return tuple(sorted(va & vb)), tuple(sorted(vb))
-
-
-def _cotangent_mesh(g, config: _Fp8Config) -> tuple:
-  """A per-tensor cotangent scale is shared over the axes it varies over."""
-  if config.batched and not config.per_tensor:
-    return ()
-  return tuple(sorted(jax_compat.varying_axes(g)))
-
-
 def _scaled_mm_fwd(a, b, config: _Fp8Config):
   # Per row: the left operand gets one scale per row (rows are free
   # dimensions, so their scales factor out of the sum) and the right one
@@ -314,7 +289,7 @@ def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
   aq, sa, bq, sb = residuals
   nb = 1 if config.batched else 0
   per_batch = None if config.per_tensor or not nb else (nb, nb + 1)
-  mesh = _cotangent_mesh(g, config)
+  mesh = fp8_mesh.cotangent_axes(g, config.per_tensor, config.batched)
   gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
                                 mesh_axes=mesh)
   batch = ((0,), (0,)) if config.batched else ((), ())
@@ -332,7 +307,8 @@ def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
     # inside this sum, so they are folded into the cotangent first.
     h = g.astype(jnp.float32) * sa
     hq, s = fp8_scaling.quantize(h, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
-                                 mesh_axes=_cotangent_mesh(h, config))
+                                 mesh_axes=fp8_mesh.cotangent_axes(
+                                     h, False, config.batched))
     sh = (s,)
   db = lax.dot_general(aq, hq, (((nb,), (nb,)), batch),
                        preferred_element_type=jnp.float32,
@@ -348,7 +324,7 @@ _scaled_mm.defvjp(_scaled_mm_fwd, _scaled_mm_bwd)
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *,
                     out_dtype: Optional[Any] = None,
-                    scaling: str = "per_row"):
+                    scaling: str = "per_row", contraction_axes=None):
   """`jax.lax.dot_general` in float8 with current scaling (module doc).
 
   The operands are brought to ``[batch, M, K] x [batch, K, N]``, quantized
@@ -371,7 +347,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
     scaling: ``"per_row"``: one scale per row of ``lhs``, one per batch
       element of ``rhs`` and of the cotangent; ``"per_tensor"``: one scale
       per operand and per cotangent. Inside `jax.shard_map` (with
-      ``check_vma``) scales are shared across devices as `_mesh_axes` says.
+      ``check_vma``) scales are shared across devices as `fp8_mesh` says.
+    contraction_axes: the `shard_map` mesh axes the contraction is split
+      over (the rows' scales are shared over them); ``None``: the axes both
+      operands vary over.
 
   Returns:
     The product, in ``out_dtype``.
@@ -387,7 +366,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
   per_tensor = scaling == "per_tensor"
   config = _Fp8Config(bool(lb), out_dtype, np.dtype(lhs.dtype),
                       np.dtype(rhs.dtype), per_tensor,
-                      *_mesh_axes(a, b, per_tensor, bool(lb)))
+                      *fp8_mesh.scale_axes(a, b, per_tensor, bool(lb),
+                                           contraction_axes))
   return _scaled_mm(a, b, config).reshape(out_shape)
 
 
@@ -445,8 +425,10 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
   out_dtype = fp8_scaling.result_dtype(op.eqn, op.policy.compute_dtype)
-  return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype,
-                          scaling=options.scaling)]
+  return [fp8_dot_general(
+      lhs, rhs, dimension_numbers, out_dtype=out_dtype,
+      scaling=options.scaling,
+      contraction_axes=fp8_mesh.contraction_axes(op.env, *op.args))]
 
 
 def _lower_ragged(op: base.Op, compute, out_dtype) -> list:
