@@ -89,6 +89,11 @@ class Fp8Options:
           "float8 (e.g. 8192**3)")
 
 
+def default_device():
+  """The first device of the default backend, where the code will run."""
+  return jax.devices()[0]
+
+
 def device_threshold() -> tuple[int, str]:
   """The default backend's threshold and a description of it.
 
@@ -101,7 +106,7 @@ def device_threshold() -> tuple[int, str]:
     kind of ``jax.devices()[0]`` (0 on CPU), and its device kind, with the
     entry's source where it was not measured there.
   """
-  device = jax.devices()[0]
+  device = default_device()
   kind = str(getattr(device, "device_kind", device.platform))
   if device.platform == "cpu":
     return CPU_MIN_SIZE, "cpu"
