@@ -3,8 +3,10 @@
 Rows:
   f32           jnp.dot of float32 operands (XLA's default precision).
   bf16          jnp.dot of bfloat16 operands.
-  fp8 amp       mpolicy.amp(a @ b, "p=f32,c=f8,o=bf16") on bfloat16 operands:
-                amax reductions, quantization, the float8 gemm, rescale.
+  fp8 amp       mpolicy.amp(a @ b, "p=f32,c=f8,o=bf16") on bfloat16 operands,
+                float8 at every n (min_size=0), --scaling per_row (default)
+                or per_tensor: amax reductions, quantization, the float8
+                gemm, rescale.
   fp8 delayed   quantization with scales given (as delayed scaling takes
                 them from an amax history), the amax for the history
                 computed alongside: no reduction before the quantize.
@@ -72,6 +74,9 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--hlo", action="store_true",
                       help="also print the optimized HLO of the fp8 amp row")
+  parser.add_argument("--scaling", choices=("per_row", "per_tensor"),
+                      default="per_row",
+                      help="the fp8 amp rows' scaling (OpRules.with_fp8)")
   args = parser.parse_args(argv)
   n = args.n
   ka, kb = jax.random.split(jax.random.PRNGKey(0))
@@ -82,7 +87,10 @@ def main(argv=None):
   bq, sb = fp8_scaling.quantize(b16)
 
   policy = "p=f32,c=f8,o=bf16"
-  amp_mm = mpolicy.amp(lambda a, b: a @ b, policy)
+  # min_size=0: float8 at every n (by default a GPU runs matmuls below its
+  # device kind's threshold in bfloat16).
+  rules = mpolicy.DEFAULT_RULES.with_fp8(min_size=0, scaling=args.scaling)
+  amp_mm = mpolicy.amp(lambda a, b: a @ b, policy, rules=rules)
 
   def gemm_only(aq, bq, sa, sb):
     out = jax.lax.dot_general(aq, bq, (((1,), (0,)), ((), ())),

@@ -43,6 +43,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src import rules as _families  # pylint: disable=unused-import  (registers their facts)
 from mpolicy._src.rules import custom
 from mpolicy._src.rules import facts as facts_lib
+from mpolicy._src.rules import fp8_placement
 
 LOWER = facts_lib.LOWER
 FULL = facts_lib.FULL
@@ -160,6 +161,7 @@ class OpRules:
   _table: Mapping[str, tuple[str, str]] = dataclasses.field(
       default_factory=dict)
   _rules: Mapping[str, RuleFn] = dataclasses.field(default_factory=dict)
+  _fp8: fp8_placement.Fp8Options = fp8_placement.Fp8Options()
 
   def __post_init__(self):
     object.__setattr__(self, "_table",
@@ -263,7 +265,7 @@ class OpRules:
     table = dict(self._table)
     table.update({name: (op_class, reason) for name, op_class in seen.items()})
     rules = {n: f for n, f in self._rules.items() if n not in seen}
-    return OpRules(table, rules)
+    return OpRules(table, rules, self._fp8)
 
   def with_rule(self, name: str, fn: RuleFn, *, strict: bool = True) -> OpRules:
     """A new table where primitive ``name`` runs as ``fn`` says.
@@ -316,7 +318,45 @@ class OpRules:
           f"'dot_general'")
     _check_known((name,), "OpRules.with_rule(name=...)", self._known(), strict)
     table = {n: e for n, e in self._table.items() if n != name}
-    return OpRules(table, dict(self._rules, **{name: fn}))
+    return OpRules(table, dict(self._rules, **{name: fn}), self._fp8)
+
+  @property
+  def fp8(self) -> fp8_placement.Fp8Options:
+    """Where and how float8 runs under a ``c=f8`` policy (`with_fp8`)."""
+    return self._fp8
+
+  def with_fp8(self, *, matmuls: Optional[str] = None,
+               min_size: Any = fp8_placement.UNSET,
+               scaling: Optional[str] = None) -> OpRules:
+    """A new table with other float8 options (for ``c=f8`` policies).
+
+    >>> r = DEFAULT_RULES.with_fp8(matmuls="all", min_size=0)
+    >>> r.fp8.matmuls, r.fp8.min_size, r.fp8.scaling
+    ('all', 0, 'per_row')
+    >>> r == DEFAULT_RULES.with_fp8(min_size=0).with_fp8(matmuls="all")
+    True
+
+    Args:
+      matmuls: ``"weights"`` (the default: float8 only where an operand is
+        a parameter or input) or ``"all"``; ``None`` keeps this table's.
+      min_size: the smallest ``M*K*N`` run in float8, an int >= 0, or
+        ``None`` for the device kind's threshold (the default); left out,
+        this table's.
+      scaling: ``"per_row"`` (the default) or ``"per_tensor"``; ``None``
+        keeps this table's.
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    Raises:
+      ValueError: an option outside the values above.
+    """
+    changes = {k: v for k, v in (("matmuls", matmuls), ("scaling", scaling))
+               if v is not None}
+    if min_size is not fp8_placement.UNSET:
+      changes["min_size"] = min_size
+    return OpRules(self._table, self._rules,
+                   dataclasses.replace(self._fp8, **changes))
 
   def without_ops(self, *names: str, strict: bool = True) -> OpRules:
     """A new table where ``names`` run in the dtype of their inputs.
@@ -338,13 +378,14 @@ class OpRules:
     names = _as_names(names, "names", "OpRules.without_ops")
     _check_known(names, "OpRules.without_ops", self._known(), strict)
     return OpRules({n: e for n, e in self._table.items() if n not in names},
-                   {n: f for n, f in self._rules.items() if n not in names})
+                   {n: f for n, f in self._rules.items() if n not in names},
+                   self._fp8)
 
   def __reduce__(self):
     # Rebuilt from plain dicts: `copy.deepcopy` and `pickle` work (custom
     # rule functions must be picklable themselves, as module-level
     # functions are).
-    return (OpRules, (dict(self._table), dict(self._rules)))
+    return (OpRules, (dict(self._table), dict(self._rules), self._fp8))
 
   def __iter__(self) -> Iterator[str]:
     return iter(sorted(self._known()))
@@ -358,11 +399,13 @@ class OpRules:
   def __eq__(self, other: object) -> bool:
     return (isinstance(other, OpRules)
             and dict(self._table) == dict(other._table)
-            and dict(self._rules) == dict(other._rules))
+            and dict(self._rules) == dict(other._rules)
+            and self._fp8 == other._fp8)
 
   def __hash__(self) -> int:
     return hash((frozenset(self._table.items()),
-                 frozenset(_hash_rule(i) for i in self._rules.items())))
+                 frozenset(_hash_rule(i) for i in self._rules.items()),
+                 self._fp8))
 
   def __repr__(self) -> str:
     parts = [f"{c}={sorted(self.names(c))}" for c in CLASSES]
@@ -370,6 +413,8 @@ class OpRules:
       parts.append("custom={" + ", ".join(
           f"{n!r}: {rule_name(f)}" for n, f in sorted(self._rules.items()))
                    + "}")
+    if self._fp8 != fp8_placement.Fp8Options():
+      parts.append(f"fp8={self._fp8!r}")
     return f"OpRules({', '.join(parts)})"
 
 

@@ -60,7 +60,12 @@ def test_the_checker_sees_internal_imports_and_references(tmp_path):
 
 
 def _is_params(node) -> bool:
-  """``x.params`` or a name ``params``."""
+  """``x.params``, a name ``params``, or a call of a ``*params`` reader."""
+  if isinstance(node, ast.Call):
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(
+        func, "id", "")
+    return name.endswith("params")
   return ((isinstance(node, ast.Attribute) and node.attr == "params")
           or (isinstance(node, ast.Name) and node.id == "params"))
 
@@ -102,8 +107,8 @@ def test_the_params_checker_sees_each_form(tmp_path):
   bad = tmp_path / "bad.py"
   bad.write_text("a = eqn.params['jaxpr']\nb = params.get('num_consts')\n"
                  "c = dict(eqn.params, jaxpr=None)\nd = 'ft_in' in params\n"
-                 "e = x['jaxpr']\n")
+                 "e = x['jaxpr']\nf = jax_compat.conv_params(eqn)['padding']\n")
   assert [r.split(": ")[1] for r in _param_reads(bad)] == [
       "params['jaxpr']", "params.get(...)", "dict(params, key=...)",
-      "'ft_in' in params"]
+      "'ft_in' in params", "params['padding']"]
   assert _param_reads(_DOOR / "params.py")  # The door itself reads them.

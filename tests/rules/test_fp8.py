@@ -379,7 +379,12 @@ def test_example_flag_value_runs_a_transformer_step():
   assert model.apply(params, None, x).dtype == BF16
   assert float(loss) < float(loss0)
   report = mpolicy.explain(model.apply, params, None, x)
-  assert report.ops_per_dtype.get("float8_e4m3fn") == 8
+  # The six Linear matmuls in float8; the two attention matmuls (two
+  # activations) in bfloat16.
+  assert report.ops_per_dtype.get("float8_e4m3fn") == 6
+  attention = [r for r in report.rows if r.primitive == "dot_general"
+               and r.module_class != "hk.Linear"]
+  assert len(attention) == 2 and {r.ran_in for r in attention} == {"bfloat16"}
 
 
 # --- Training --------------------------------------------------------------------

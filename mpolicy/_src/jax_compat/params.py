@@ -227,6 +227,11 @@ def conv_params(eqn_or_params, precision: bool = True) -> dict:
   return out
 
 
+def conv_dimension_numbers(eqn):
+  """A convolution equation's `ConvDimensionNumbers` (its specs)."""
+  return eqn.params["dimension_numbers"]
+
+
 def canonical_conv_params(lhs_shape, rhs_shape, **params) -> dict:
   """The shape params a `conv_general_dilated` equation holds for
   `jax.lax.conv_general_dilated`'s keyword arguments (string paddings and
@@ -264,6 +269,7 @@ __all__ = [
     "bind_with",
     "canonical_conv_params",
     "cast_target",
+    "conv_dimension_numbers",
     "conv_params",
     "custom_jvp_num_consts",
     "dot_params",

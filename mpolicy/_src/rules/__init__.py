@@ -10,7 +10,8 @@ the code they describe:
   gathers of down-cast values;
 * `matmul`, `conv`: each family's ``lower`` rule, its amp primitive and
   its float8 variant (`amp_primitive`, `fp8_scaling`, `half_storage` hold
-  what they share);
+  what they share; `fp8_placement` decides where float8 runs, `fp8_mesh`
+  which devices share a scale);
 * `custom`: the user's rules (`OpRules.with_rule`);
 * `dispatch`: `run`, which looks the rules up in order.
 

@@ -26,6 +26,7 @@ accumulation.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -36,6 +37,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
@@ -180,16 +182,25 @@ class _Fp8Config(NamedTuple):
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
+  lhs_mesh: tuple = ()  # `shard_map` axes each per-tensor scale spans.
+  rhs_mesh: tuple = ()
   label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
 
   def observe(self, role: str):
     return None if self.label is None else (self.label, role)
 
 
+def _varying(x) -> tuple:
+  """Every axis ``x`` varies over: a per-tensor scale spans them all."""
+  return tuple(sorted(jax_compat.varying_axes(x)))
+
+
 def _scaled_conv_fwd(a, b, config: _Fp8Config):
   aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE,
+                                mesh_axes=config.lhs_mesh,
                                 observe=config.observe("lhs"))
   bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE,
+                                mesh_axes=config.rhs_mesh,
                                 observe=config.observe("rhs"))
   out = jax_compat.bind_conv(aq, bq, dict(config.params), jnp.float32)
   return fp8_scaling.rescale(out, (sa, sb), config.out_dtype), (aq, sa, bq, sb)
@@ -204,6 +215,7 @@ def _scaled_conv_bwd(config: _Fp8Config, residuals, g):
   aq, sa, bq, sb = residuals
   params = dict(config.params)
   gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE,
+                                mesh_axes=_varying(g),
                                 observe=config.observe("cotangent"))
   bf16 = jnp.bfloat16  # Holds float8_e4m3fn and float8_e5m2 values exactly.
   g16, a16, b16 = gq.astype(bf16), aq.astype(bf16), bq.astype(bf16)
@@ -253,7 +265,8 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
                else np.dtype(out_dtype))
   kept = tuple(sorted(jax_compat.conv_params(params, precision=False).items()))
   config = _Fp8Config(kept, out_dtype, np.dtype(lhs.dtype),
-                      np.dtype(rhs.dtype), label)
+                      np.dtype(rhs.dtype), _varying(lhs), _varying(rhs),
+                      label)
   return _scaled_conv(lhs, rhs, config)
 
 
@@ -277,10 +290,23 @@ FP8_REASON = ("per-tensor scaled float8_e4m3fn operands (scale = amax/448), "
               "float32 accumulation; backward cotangent in float8_e5m2")
 
 
+def _conv_sizes(eqn) -> tuple[int, int, int]:
+  """The convolution as a matmul: ``(M, K, N)`` = (output positions,
+  multiply-adds per output element, output features)."""
+  out = tuple(eqn.outvars[0].aval.shape)
+  rhs = tuple(eqn.invars[1].aval.shape)
+  dn = jax_compat.conv_dimension_numbers(eqn)
+  features = out[dn.out_spec[1]]
+  m = math.prod(out) // max(features, 1)
+  return m, math.prod(rhs) // max(rhs[dn.rhs_spec[0]], 1), features
+
+
 def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   if jax_compat.out_sharding(op.eqn) is not None:
     op.note = (f", not {op.fp8_dtype.name}: the convolution names an "
                "out_sharding, which the float8 convolution does not carry")
+    return None
+  if fp8_placement.declines(op, op.rules.fp8, _conv_sizes(op.eqn), op.args):
     return None
   op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
   op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "

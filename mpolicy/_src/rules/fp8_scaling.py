@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,7 +32,8 @@ BACKWARD_DTYPE = np.dtype(jnp.float8_e5m2)
 DEFAULT_OUT_DTYPE = np.dtype(jnp.bfloat16)
 
 
-def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, observe=None):
+def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, mesh_axes=(),
+             observe=None):
   """Quantizes ``x`` to a float8 ``dtype`` with a scale per tensor or slice.
 
   The scale is ``amax(|x|) / max(dtype)`` (448 for float8_e4m3fn, 57344
@@ -53,6 +55,8 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, observe=None):
     x: a floating array.
     dtype: the float8 dtype to quantize to.
     axes: the axes each scale covers (an int or a tuple); ``None``: all.
+    mesh_axes: `shard_map` mesh axes whose devices share each scale: the
+      amax is their maximum (`jax.lax.pmax`); empty: this device's own.
     observe: ``(label, role)`` of the float8 op this quantization belongs
       to, for an open `fp8_probe` (``None``: not counted).
 
@@ -66,6 +70,8 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, observe=None):
   # `initial=0` gives 0 for an empty array (and empty slices): scale 1.
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None,
                  initial=0).astype(jnp.float32)
+  if mesh_axes:
+    amax = lax.pmax(amax, tuple(mesh_axes))
   scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
   q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
   if observe is not None:

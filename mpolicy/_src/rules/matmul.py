@@ -39,6 +39,8 @@ from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_mesh
+from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
@@ -255,6 +257,9 @@ class _Fp8Config(NamedTuple):
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
+  per_tensor: bool = False
+  lhs_mesh: tuple = ()  # `shard_map` axes the lhs scales are shared over.
+  rhs_mesh: tuple = ()
   label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
 
   def observe(self, role: str):
@@ -269,15 +274,18 @@ def _mm(a, b, batched):
 
 
 def _scaled_mm_fwd(a, b, config: _Fp8Config):
-  # The left operand gets one scale per row: rows are free dimensions, so
-  # their scales factor out of the sum. The right operand gets one scale
-  # per batch element.
+  # Per row: the left operand gets one scale per row (rows are free
+  # dimensions, so their scales factor out of the sum) and the right one
+  # per batch element. Per tensor: one scale each.
   nb = 1 if config.batched else 0
-  aq, sa = fp8_scaling.quantize(a, fp8_scaling.FORWARD_DTYPE, axes=-1,
-                                observe=config.observe("lhs"))
-  bq, sb = fp8_scaling.quantize(b, fp8_scaling.FORWARD_DTYPE,
-                                axes=(nb, nb + 1) if nb else None,
-                                observe=config.observe("rhs"))
+  per_batch = (nb, nb + 1) if nb else None
+  aq, sa = fp8_scaling.quantize(
+      a, fp8_scaling.FORWARD_DTYPE, axes=None if config.per_tensor else -1,
+      mesh_axes=config.lhs_mesh, observe=config.observe("lhs"))
+  bq, sb = fp8_scaling.quantize(
+      b, fp8_scaling.FORWARD_DTYPE,
+      axes=None if config.per_tensor else per_batch, mesh_axes=config.rhs_mesh,
+      observe=config.observe("rhs"))
   out = fp8_scaling.rescale(_mm(aq, bq, config.batched), (sa, sb),
                             config.out_dtype)
   return out, (aq, sa, bq, sb)
@@ -286,8 +294,10 @@ def _scaled_mm_fwd(a, b, config: _Fp8Config):
 def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
   aq, sa, bq, sb = residuals
   nb = 1 if config.batched else 0
-  per_batch = (nb, nb + 1) if nb else None
+  per_batch = None if config.per_tensor or not nb else (nb, nb + 1)
+  mesh = fp8_mesh.cotangent_axes(g, config.per_tensor, config.batched)
   gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
+                                mesh_axes=mesh,
                                 observe=config.observe("cotangent"))
   batch = ((0,), (0,)) if config.batched else ((), ())
   # Each result takes its operand's layout, and under explicit sharding its
@@ -296,15 +306,22 @@ def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
   da = lax.dot_general(gq, bq, (((nb + 1,), (nb + 1,)), batch),
                        preferred_element_type=jnp.float32,
                        out_sharding=amp_primitive.explicit_sharding(aq))
-  # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
-  # inside this sum, so they are folded into the cotangent first.
-  hq, sh = fp8_scaling.quantize(g.astype(jnp.float32) * sa,
-                                fp8_scaling.BACKWARD_DTYPE, axes=per_batch)
+  if config.per_tensor:
+    # One lhs scale: it factors out of the weight gradient's sum too.
+    hq, sh = gq, (sa, sg)
+  else:
+    # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
+    # inside this sum, so they are folded into the cotangent first.
+    h = g.astype(jnp.float32) * sa
+    hq, s = fp8_scaling.quantize(h, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
+                                 mesh_axes=fp8_mesh.cotangent_axes(
+                                     h, False, config.batched))
+    sh = (s,)
   db = lax.dot_general(aq, hq, (((nb,), (nb,)), batch),
                        preferred_element_type=jnp.float32,
                        out_sharding=amp_primitive.explicit_sharding(bq))
   return (fp8_scaling.rescale(da, (sg, sb), config.lhs_dtype),
-          fp8_scaling.rescale(db, (sh,), config.rhs_dtype))
+          fp8_scaling.rescale(db, sh, config.rhs_dtype))
 
 
 _scaled_mm = jax.custom_vjp(
@@ -314,6 +331,7 @@ _scaled_mm.defvjp(_scaled_mm_fwd, _scaled_mm_bwd)
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *,
                     out_dtype: Optional[Any] = None,
+                    scaling: str = "per_row", contraction_axes=None,
                     label: Optional[str] = None):
   """`jax.lax.dot_general` in float8 with current scaling (module doc).
 
@@ -334,18 +352,31 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
       passed as they are).
     dimension_numbers: as for `jax.lax.dot_general`.
     out_dtype: the result dtype; bfloat16 if ``None``.
+    scaling: ``"per_row"``: one scale per row of ``lhs``, one per batch
+      element of ``rhs`` and of the cotangent; ``"per_tensor"``: one scale
+      per operand and per cotangent. Inside `jax.shard_map` (with
+      ``check_vma``) scales are shared across devices as `fp8_mesh` says.
+    contraction_axes: the `shard_map` mesh axes the contraction is split
+      over (the rows' scales are shared over them); ``None``: the axes both
+      operands vary over.
     label: the `fp8_probe` site whose counts its quantizations add to.
 
   Returns:
     The product, in ``out_dtype``.
   """
+  if scaling not in fp8_placement.SCALINGS:
+    raise ValueError(f"fp8_dot_general(scaling={scaling!r}): must be one of "
+                     f"{fp8_placement.SCALINGS}")
   out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
                else np.dtype(out_dtype))
   a, b, _, out_shape = canonical_form(lhs, rhs, dimension_numbers,
                                       lhs_mk=True, rhs_kn=True)
   _, (lb, _) = dimension_numbers
+  per_tensor = scaling == "per_tensor"
   config = _Fp8Config(bool(lb), out_dtype, np.dtype(lhs.dtype),
-                      np.dtype(rhs.dtype), label)
+                      np.dtype(rhs.dtype), per_tensor,
+                      *fp8_mesh.scale_axes(a, b, per_tensor, bool(lb),
+                                           contraction_axes), label)
   return _scaled_mm(a, b, config).reshape(out_shape)
 
 
@@ -369,9 +400,20 @@ def _lower_dot(op: base.Op, compute, out_dtype) -> list:
       out_sharding=jax_compat.out_sharding(op.eqn))]
 
 
-FP8_REASON = ("per-row/per-tensor scaled float8_e4m3fn operands (scale = "
-              "amax/448), float32 accumulation; backward cotangent in "
-              "float8_e5m2")
+FP8_REASON = ("{} scaled float8_e4m3fn operands (scale = amax/448), float32 "
+              "accumulation; backward cotangent in float8_e5m2")
+_SCALING_TEXT = {"per_row": "per-row/per-tensor", "per_tensor": "per-tensor"}
+
+
+def _dot_sizes(eqn) -> tuple[int, ...]:
+  """``(M, K, N)``, or ``(B, M, K, N)`` for a batched ``dot_general``."""
+  (lc, rc), (lb, rb) = jax_compat.dot_params(eqn)[0]
+  lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars)
+  size = lambda shape, dims: math.prod(shape[d] for d in dims)
+  m = size(lhs, _free_dims(len(lhs), lc, lb))
+  n = size(rhs, _free_dims(len(rhs), rc, rb))
+  mkn = (m, size(lhs, lc), n)
+  return (size(lhs, lb), *mkn) if lb else mkn
 
 
 def _lower_dot_fp8(op: base.Op) -> Optional[list]:
@@ -382,16 +424,23 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
     op.note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
                "which the float8 matmul does not carry")
     return None
+  options = op.rules.fp8
+  if fp8_placement.declines(op, options, _dot_sizes(op.eqn), op.args):
+    return None
   op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
-  op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "
+  reason = FP8_REASON.format(_SCALING_TEXT[options.scaling])
+  op.why = (f"lower in {op.fp8_dtype.name} ({reason}); policy from "
             f"{op.decided_by}")
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
   out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
   label = fp8_probe.new_site(op.scope, op.prim.name,
                              fp8_probe.shape_of(lhs, rhs))
-  return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=out_dtype,
-                          label=label)]
+  return [fp8_dot_general(
+      lhs, rhs, dimension_numbers, out_dtype=out_dtype,
+      scaling=options.scaling,
+      contraction_axes=fp8_mesh.contraction_axes(op.env, *op.args),
+      label=label)]
 
 
 def _lower_ragged(op: base.Op, compute, out_dtype) -> list:

@@ -1,0 +1,154 @@
+"""Where float8 runs under ``c=f8``: weight matmuls above a size threshold.
+
+A matmul or convolution under a float8 policy runs in float8 only where
+
+1. at least one operand is a parameter or an input of the call (a weight
+   matmul; ``matmuls="all"`` lifts this), and
+2. its size ``M*K*N`` (batch included; for a convolution, output elements
+   times multiply-adds per output element) is at least the threshold
+   ``min_size``: by default the device kind's entry in `THRESHOLDS`.
+
+Everywhere else it runs in bfloat16, and `explain` says why. The options
+live on the `OpRules` table (`OpRules.with_fp8`) as one `Fp8Options`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+
+MATMULS = ("weights", "all")
+SCALINGS = ("per_row", "per_tensor")
+UNSET = object()
+"""`OpRules.with_fp8`'s default for ``min_size`` (``None`` means auto)."""
+
+H100_MIN_SIZE = 8192 ** 3
+"""The smallest n*n*n matmul measured faster in float8 than in bfloat16 on
+an H100 (jax 0.11.2, current scaling: 8192 gained 1.30x, 4096 lost 0.85x)."""
+
+THRESHOLDS: tuple[tuple[str, int, str], ...] = (
+    ("H100", H100_MIN_SIZE, "measured"),
+    ("H200", H100_MIN_SIZE, "unmeasured: the H100's"),
+)
+"""``(device kind substring, min M*K*N, source)``, first match wins."""
+
+CPU_MIN_SIZE = 0
+"""CPU emulates float8 (for checking numerics): every size runs in it."""
+
+OTHER_MIN_SIZE = (H100_MIN_SIZE, "unmeasured: the H100's")
+"""Any other accelerator: the H100's threshold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Options:
+  """Where and how float8 runs under a ``c=f8`` policy.
+
+  >>> Fp8Options()
+  Fp8Options(matmuls='weights', min_size=None, scaling='per_row')
+  >>> Fp8Options(matmuls="every")
+  Traceback (most recent call last):
+  ...
+  ValueError: OpRules.with_fp8(matmuls='every'): must be one of 'weights' (at least one operand a parameter or input) or 'all' (every matmul and convolution)
+
+  Attributes:
+    matmuls: ``"weights"``: only matmuls and convolutions with a parameter
+      or input among their operands run in float8 (attention's ``QK^T`` and
+      ``PV`` multiply two activations and run in bfloat16); ``"all"``:
+      every one.
+    min_size: the smallest ``M*K*N`` (batch included) run in float8;
+      ``None``: the threshold of the default backend's device kind
+      (`THRESHOLDS`; 0 on CPU).
+    scaling: ``"per_row"``: one scale per row of the left operand (per
+      token), one per batch element of the right; ``"per_tensor"``: one
+      scale per operand and per cotangent (the form cuBLASLt takes).
+  """
+  matmuls: str = "weights"
+  min_size: Optional[int] = None
+  scaling: str = "per_row"
+
+  def __post_init__(self):
+    if self.matmuls not in MATMULS:
+      raise ValueError(
+          f"OpRules.with_fp8(matmuls={self.matmuls!r}): must be one of "
+          "'weights' (at least one operand a parameter or input) or 'all' "
+          "(every matmul and convolution)")
+    if self.scaling not in SCALINGS:
+      raise ValueError(
+          f"OpRules.with_fp8(scaling={self.scaling!r}): must be 'per_row' "
+          "(one scale per row of the left operand) or 'per_tensor' (one "
+          "scale per operand)")
+    size = self.min_size
+    if size is not None and (isinstance(size, bool)
+                             or not isinstance(size, int) or size < 0):
+      raise ValueError(
+          f"OpRules.with_fp8(min_size={size!r}): must be None (the device "
+          "kind's threshold) or an int >= 0, the smallest M*K*N run in "
+          "float8 (e.g. 8192**3)")
+
+
+def default_device():
+  """The first device of the default backend, where the code will run."""
+  return jax.devices()[0]
+
+
+def device_threshold() -> tuple[int, str]:
+  """The default backend's threshold and a description of it.
+
+  >>> size, device = device_threshold()
+  >>> size == 0 if device == "cpu" else size > 0
+  True
+
+  Returns:
+    ``(min_size, device)``: the threshold from `THRESHOLDS` for the device
+    kind of ``jax.devices()[0]`` (0 on CPU), and its device kind, with the
+    entry's source where it was not measured there.
+  """
+  device = default_device()
+  kind = str(getattr(device, "device_kind", device.platform))
+  if device.platform == "cpu":
+    return CPU_MIN_SIZE, "cpu"
+  for part, size, source in THRESHOLDS:
+    if part.lower() in kind.lower():
+      return size, kind if source == "measured" else f"{kind} ({source})"
+  size, source = OTHER_MIN_SIZE
+  return size, f"{kind} ({source})"
+
+
+def _size_text(size: int) -> str:
+  root = round(size ** (1 / 3)) if size > 0 else 0
+  return f"{root}^3" if root > 1 and root ** 3 == size else f"{size:,}"
+
+
+def declines(op, options: Fp8Options, dims: tuple[int, ...],
+             operands) -> bool:
+  """Whether ``op`` stays out of float8; if so, says why in ``op.note``.
+
+  Args:
+    op: the `base.Op` (its ``env`` knows parameters and inputs).
+    options: the table's `Fp8Options`.
+    dims: the product's sizes, e.g. ``(M, K, N)`` or ``(B, M, K, N)``.
+    operands: the op's operands as the rule received them.
+  """
+  dtype = op.fp8_dtype.name
+  env = op.env
+  if options.matmuls == "weights" and not any(
+      env.is_param(a) or env.is_param(env.wider_source(a)) for a in operands):
+    op.note = (f", not {dtype}: both operands are activations (fp8 covers "
+               "weight matmuls; OpRules.with_fp8(matmuls='all') for all)")
+    return True
+  size = math.prod(dims)
+  if options.min_size is None:
+    threshold, device = device_threshold()
+    where = f"for {device}"
+  else:
+    threshold, where = options.min_size, "set by OpRules.with_fp8(min_size=)"
+  if size < threshold:
+    shape = "x".join(str(d) for d in dims)
+    letters = "BxMxKxN" if len(dims) == 4 else "MxKxN"
+    op.note = (f", not {dtype}: fp8 skipped: {letters} = {shape} = {size:,} "
+               f"below the fp8 threshold {_size_text(threshold)} {where}")
+    return True
+  return False
