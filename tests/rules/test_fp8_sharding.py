@@ -12,13 +12,11 @@ JSON object of facts, which the tests assert on.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
-from _helpers import facts_on_eight_devices
 
-_SCRIPT = r'''
+EIGHT_DEVICES = r'''
 import json
 import jax
 import jax.numpy as jnp
@@ -122,14 +120,9 @@ print("FACTS=" + json.dumps(facts))
 '''
 
 
-@functools.lru_cache(maxsize=None)
-def _facts():
-  return facts_on_eight_devices(_SCRIPT)
-
-
-@pytest.fixture(scope="module")
-def facts():
-  return _facts()
+@pytest.fixture
+def facts(eight_devices):
+  return eight_devices
 
 
 def test_jit_sharded_quantize_scales_equal_one_device(facts):
