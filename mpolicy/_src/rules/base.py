@@ -45,6 +45,13 @@ class RuleEnv(Protocol):
   def mark_param(self, x) -> None:
     """Records ``x`` as a parameter or input."""
 
+  def const_of(self, x):
+    """The scalar constant ``x`` holds everywhere (a literal, a broadcast
+    of one), else ``None``."""
+
+  def mark_const(self, x, value) -> None:
+    """Records that ``x`` holds the scalar ``value`` everywhere."""
+
 
 @dataclasses.dataclass
 class Op:

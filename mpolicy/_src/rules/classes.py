@@ -13,7 +13,8 @@ What each class means:
   ``full`` op on a bfloat16 value computes in float32 and stores its
   result, and the derivative the backward pass keeps, in bfloat16, unless
   only float32 readers use it.
-* ``promote``: the widest floating dtype among the inputs.
+* ``promote``: the widest floating dtype among the inputs; scalar
+  constants (and broadcasts of them) follow the arrays.
 * anything else (``None``): the dtype of its inputs. Where floating inputs
   disagree, literals follow the arrays; parameters and inputs (arrays that
   entered the call, and reshapes, broadcasts, transposes and slices of
@@ -135,10 +136,15 @@ def _full(op: base.Op) -> list:
 
 
 def _promote(op: base.Op) -> list:
-  """The widest floating dtype among the inputs."""
+  """The widest floating dtype among the inputs; scalar constants (and
+  broadcasts of them) follow the arrays."""
   op.rule, op.why = PROMOTE, f"promote: {op.reason}"
-  floats = [dtypes.dtype_of(a) for a in op.args if dtypes.float_value(a)]
-  return _run_at(op, dtypes.widest(floats) if len(set(floats)) > 1 else None)
+  floats = [a for a in op.args if dtypes.float_value(a)]
+  kinds = {dtypes.dtype_of(a) for a in floats}
+  if len(kinds) <= 1:
+    return _run_at(op, None)
+  arrays = [dtypes.dtype_of(a) for a in floats if op.env.const_of(a) is None]
+  return _run_at(op, dtypes.widest(arrays or kinds))
 
 
 def _inputs(op: base.Op, why: Optional[str] = None) -> list:
@@ -196,7 +202,8 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
     if (compute is not None and env.is_param(a) and not dtypes.is_double(d)
         and d.itemsize > np.dtype(compute).itemsize):
       d = np.dtype(compute)
-    scalar_const = not dtypes.is_traced(a) and np.ndim(a) == 0
+    scalar_const = (env.const_of(a) is not None if env is not None
+                    else not dtypes.is_traced(a) and np.ndim(a) == 0)
     (followers if weak or scalar_const else arrays).append(d)
   if len(actual) <= 1:
     return None
@@ -355,3 +362,8 @@ facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
                 "expand_dims", "slice", "dynamic_slice", "gather", "rev",
                 "copy", "copy_p", "device_put", "sharding_constraint"),
                keeps_param=True)
+
+# Re-shapings of their first operand: a broadcast scalar constant (a mask's
+# fill value) is still that constant, and follows the arrays it meets.
+facts.register(("broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                "copy", "copy_p"), keeps_constant=True)
