@@ -33,8 +33,12 @@ def _misses(depth):
 def test_matmul_avals_are_derived_once_per_shape_not_once_per_layer():
   shallow, deep = _misses(2), _misses(8)
   # The forward dot and its two transposes: traced once whatever the depth.
+  assert shallow.misses > 0
   assert deep.misses <= shallow.misses, (shallow, deep)
-  assert deep.hits > shallow.hits, (shallow, deep)
+  # Later layers are served by the staged binds' own cache (see `staged`):
+  # the deeper model asks no more often than the shallow one.
+  assert deep.hits + deep.misses <= shallow.hits + shallow.misses, (
+      shallow, deep)
 
 
 def test_an_unhashable_param_is_traced_afresh():

@@ -33,6 +33,7 @@ from mpolicy._src import recording
 from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src import rules
+from mpolicy._src import staged
 from mpolicy._src import widen
 
 
@@ -118,7 +119,7 @@ class Env:
       self.inserted += 1
       self.mark_const(y, constants.saturate(value, dtype))
       return y
-    y = widen.widen(x, dtype)
+    y = staged.call(widen.widener(dtype), x)
     self._casts[key] = y
     self._keep += [x, y]
     self.inserted += 1

@@ -122,11 +122,10 @@ def _full(op: base.Op) -> list:
     # loses one rounding, as any bfloat16 activation does, and under grad
     # what is saved for the backward pass is half as big. (Read only by
     # other `full` ops, the result stays float32.)
-    i = floats[0]
-    fn = lambda v: base.bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
     op.ran_in = "float32"
     op.why += "; computed in float32, stored in bfloat16"
-    return [half_storage.unary_in_float32(fn, args[i], store)]
+    return [half_storage.primitive_in_float32(eqn.primitive, eqn.params, args,
+                                              floats[0], store)]
   op.args = [env.cast(a, jnp.float32) if dtypes.is_half(dtypes.dtype_of(a))
              else a for a in args]
   return base.bind_op(op)
@@ -228,7 +227,7 @@ def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
     op.ran_in = "float32"
     op.why += ("; a bfloat16 value scaled by a float32 statistic: computed "
                "in float32, stored in bfloat16")
-    return [half_storage.scale_in_float32(op.prim.name, x, s, store, x_first)]
+    return [half_storage.scaled_in_float32(op.prim.name, x, s, store, x_first)]
   if target is not None:
     op.args = _widen_params(env, eqn, op.args, target)
     op.args = [env.cast(a, target) if dtypes.float_value(a) else a

@@ -1,0 +1,82 @@
+"""Binds under autodiff go through cached inline jits (`staged`): the same
+program, linearized once per signature rather than once per layer."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mpolicy
+from mpolicy._src import staged
+import _helpers
+
+
+def _layers(x, ws):
+  for w in ws:
+    h = x @ w
+    x = jax.nn.gelu(h - h.mean(-1, keepdims=True))
+  return jnp.exp(x).sum()
+
+
+def _grad_fn(depth):
+  ws = [jnp.full((16, 16), 0.01 * (i + 1)) for i in range(depth)]
+  x = jnp.linspace(-1, 1, 64).reshape(4, 16)
+  g = jax.grad(mpolicy.amp(_layers, "p=f32,c=bf16,o=f32"), argnums=1)
+  return g, (x, ws)
+
+
+def _prims(jaxpr):
+  return collections.Counter(
+      (e.primitive.name, tuple(str(v.aval) for v in e.outvars))
+      for e in _helpers.walk_eqns(jaxpr))
+
+
+def test_the_program_and_its_values_are_those_of_plain_binds(monkeypatch):
+  g, args = _grad_fn(3)
+  staged_jaxpr = jax.make_jaxpr(g)(*args)
+  staged_grads = g(*args)
+  monkeypatch.setattr(staged, "_jitted", lambda primitive, params: None)
+  monkeypatch.setattr(staged, "call", lambda fn, *a: fn(*a))
+  plain_jaxpr = jax.make_jaxpr(g)(*args)
+  # No nested jit is left behind: the calls are inlined.
+  assert "jit" not in {e.primitive.name for e in staged_jaxpr.jaxpr.eqns}
+  assert _prims(staged_jaxpr) == _prims(plain_jaxpr)
+  assert _helpers.same_bits(staged_grads, g(*args))
+
+
+def test_a_deeper_model_reuses_the_same_staged_binds():
+  staged._cached_jit.cache_clear()
+  g, args = _grad_fn(2)
+  jax.make_jaxpr(g)(*args)
+  shallow = staged._cached_jit.cache_info()
+  g, args = _grad_fn(6)
+  jax.make_jaxpr(g)(*args)
+  deep = staged._cached_jit.cache_info()
+  assert shallow.misses > 0
+  assert deep.misses == shallow.misses, (shallow, deep)
+  assert deep.hits > 2 * shallow.hits, (shallow, deep)
+
+
+def test_without_autodiff_primitives_bind_plainly():
+  staged._cached_jit.cache_clear()
+  g, (x, ws) = _grad_fn(2)
+  f = mpolicy.amp(_layers, "p=f32,c=bf16,o=f32")
+  jax.make_jaxpr(f)(x, ws)
+  jax.jit(f)(x, ws)
+  assert staged._cached_jit.cache_info().currsize == 0
+
+
+def test_collectives_and_unhashable_params_bind_plainly():
+  assert staged._jitted(jax.lax.add_p, {}) is not None
+  psum = jax.make_jaxpr(lambda x: jax.lax.psum(x, "i"), axis_env=[("i", 2)])(
+      1.0).eqns[0]
+  assert staged._jitted(psum.primitive, psum.params) is None
+  assert staged._jitted(jax.lax.add_p, {"p": [1]}) is None
+  # Under grad, in a vmap with a named axis: as plain JAX computes it.
+  out = jax.vmap(jax.grad(lambda x: staged.bind(psum.primitive, x * x,
+                                                **psum.params)),
+                 axis_name="i")(jnp.arange(2.0))
+  want = jax.vmap(jax.grad(lambda x: jax.lax.psum(x * x, "i")),
+                  axis_name="i")(jnp.arange(2.0))
+  np.testing.assert_array_equal(out, want)
