@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import mpolicy
 import _helpers
@@ -121,6 +122,7 @@ def _compiled_grad(variant, layers):
   return lowered.compile().as_text()
 
 
+@pytest.mark.slow  # Compiles two 6-layer models: about 10 s on 2 cores.
 def test_amp_over_apply_compiles_no_bigger_than_transform_amp():
   """A deep model's HLO grows with its depth alike under both."""
   count = lambda text: len(re.findall(r"\n\s+(?:ROOT )?%\S+ = ", text))
