@@ -45,6 +45,20 @@ def test_the_program_and_its_values_are_those_of_plain_binds(monkeypatch):
   assert _helpers.same_bits(staged_grads, g(*args))
 
 
+def test_binds_are_staged_only_where_jax_inlines_inline_jits_when_staging():
+  jaxpr = jax.make_jaxpr(jax.jit(lambda x: x * 2, inline=True))(1.0)
+  inlines = "jit" not in {e.primitive.name for e in jaxpr.eqns}
+  assert staged.active() == inlines
+  staged._cached_jit.cache_clear()
+  g, args = _grad_fn(2)
+  top = [e.primitive.name for e in jax.make_jaxpr(g)(*args).jaxpr.eqns]
+  used = staged._cached_jit.cache_info().currsize
+  if inlines:  # Staged, and inlined: no jit equation per bind.
+    assert used > 0 and "jit" not in top, (used, top)
+  else:  # A jit equation per bind would stay in the jaxpr: not staged.
+    assert used == 0
+
+
 def test_a_deeper_model_reuses_the_same_staged_binds():
   staged._cached_jit.cache_clear()
   g, args = _grad_fn(2)
@@ -53,6 +67,9 @@ def test_a_deeper_model_reuses_the_same_staged_binds():
   g, args = _grad_fn(6)
   jax.make_jaxpr(g)(*args)
   deep = staged._cached_jit.cache_info()
+  if not staged.active():
+    assert deep.currsize == 0
+    return
   assert shallow.misses > 0
   assert deep.misses == shallow.misses, (shallow, deep)
   assert deep.hits > 2 * shallow.hits, (shallow, deep)
