@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpolicy
+from mpolicy._src import staged
 from mpolicy._src.rules import amp_primitive
 
 
@@ -33,8 +34,15 @@ def _misses(depth):
 def test_matmul_avals_are_derived_once_per_shape_not_once_per_layer():
   shallow, deep = _misses(2), _misses(8)
   # The forward dot and its two transposes: traced once whatever the depth.
+  assert shallow.misses > 0
   assert deep.misses <= shallow.misses, (shallow, deep)
-  assert deep.hits > shallow.hits, (shallow, deep)
+  if staged.active():
+    # Later layers are served by the staged binds' own cache: the deeper
+    # model asks no more often than the shallow one.
+    assert deep.hits + deep.misses <= shallow.hits + shallow.misses, (
+        shallow, deep)
+  else:
+    assert deep.hits > shallow.hits, (shallow, deep)
 
 
 def test_an_unhashable_param_is_traced_afresh():

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import constants
 from mpolicy._src import dtypes
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
@@ -32,6 +33,7 @@ from mpolicy._src import recording
 from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src import rules
+from mpolicy._src import staged
 from mpolicy._src import widen
 
 
@@ -58,6 +60,10 @@ class Env:
     # Which of the jaxpr's invars are parameters or inputs (``None``: all,
     # as at the top of an `amp` call).
     self.arg_params: Optional[Sequence[bool]] = None
+    # Traced values known to hold one scalar constant everywhere (a
+    # broadcast literal), by id; and the constants among the invars.
+    self._consts: dict[int, np.ndarray] = {}
+    self.arg_consts: Optional[Sequence[Any]] = None
     # Variables read only by `full` ops (they keep float32 results).
     self.full_only: set[Any] = set()
     self.inserted = 0
@@ -71,6 +77,19 @@ class Env:
   def is_param(self, x) -> bool:
     return dtypes.is_traced(x) and id(x) in self._params
 
+  def mark_const(self, x, value) -> None:
+    """Records that ``x`` holds the scalar ``value`` everywhere."""
+    if dtypes.is_traced(x) and dtypes.float_value(x):
+      self._consts[id(x)] = np.asarray(value)
+      self._keep.append(x)
+
+  def const_of(self, x) -> Optional[np.ndarray]:
+    """The scalar constant ``x`` holds everywhere, if known: a literal, or
+    a broadcast of one (see `constants`); else ``None``."""
+    if not dtypes.is_traced(x):
+      return np.asarray(x) if np.ndim(x) == 0 else None
+    return self._consts.get(id(x))
+
   def read(self, var):
     if isinstance(var, jax_compat.Literal):
       return var.val
@@ -82,13 +101,25 @@ class Env:
     src = dtypes.dtype_of(x)
     if src == dtype:
       return x
+    narrows = (dtypes.is_float(src) and dtypes.is_float(dtype)
+               and dtype.itemsize < src.itemsize)
     if not dtypes.is_traced(x):  # Literals and numpy consts: fold now.
+      if narrows and np.ndim(x) == 0:
+        return constants.saturate(x, dtype)
       return np.asarray(x).astype(dtype)
     key = (id(x), dtype)
     hit = self._casts.get(key)
     if hit is not None:
       return hit
-    y = widen.widen(x, dtype)
+    value = self._consts.get(id(x)) if narrows else None
+    if value is not None:  # A broadcast constant: a constant again.
+      y = constants.filled(np.shape(x), value, dtype)
+      self._casts[key] = y
+      self._keep += [x, y]
+      self.inserted += 1
+      self.mark_const(y, constants.saturate(value, dtype))
+      return y
+    y = staged.call(widen.widener(dtype), x)
     self._casts[key] = y
     self._keep += [x, y]
     self.inserted += 1
@@ -145,26 +176,35 @@ class Scope:
     self._invals = list(invals)
     self._eqn = eqn
 
-  def _arg_params(self, in_avals, eqn) -> list[bool]:
-    """Which sub-jaxpr inputs are parameters or inputs of the `amp` call.
+  def _per_input(self, flags: list, in_avals, eqn, none=False) -> list:
+    """``flags`` (one per operand) mapped onto a sub-jaxpr's inputs.
 
     Operands map onto a sub-jaxpr's inputs one to one (`jit`, `checkpoint`,
     `scan`, `shard_map`, a `custom_jvp` primal), or after the index (`cond`);
-    other layouts (a `while` cond, a JVP rule) get no parameters.
+    other layouts (a `while` cond, a JVP rule) get ``none`` throughout, and
+    so do a `scan`'s loop carries (they change from one iteration to the
+    next).
     """
-    flags = [self._env.is_param(x) for x in self._invals]
     if len(in_avals) == len(flags):
-      out = flags
+      out = list(flags)
     elif len(in_avals) == len(flags) - 1:
-      out = flags[1:]
+      out = list(flags[1:])
     else:
-      return [False] * len(in_avals)
+      return [none] * len(in_avals)
     if eqn is not None and eqn.primitive is jax_compat.scan_p:
-      # Loop carries change from one iteration to the next.
       start, n_carry = jax_compat.scan_counts(eqn.params)
-      out = list(out)
-      out[start:start + n_carry] = [False] * n_carry
+      out[start:start + n_carry] = [none] * n_carry
     return out
+
+  def _arg_params(self, in_avals, eqn) -> list[bool]:
+    """Which sub-jaxpr inputs are parameters or inputs of the `amp` call."""
+    return self._per_input([self._env.is_param(x) for x in self._invals],
+                           in_avals, eqn, False)
+
+  def _arg_consts(self, in_avals, eqn) -> list:
+    """The scalar constant each sub-jaxpr input holds, or ``None``."""
+    return self._per_input([self._env.const_of(x) for x in self._invals],
+                           in_avals, eqn, None)
 
   def cast(self, x, dtype):
     """``x`` cast to ``dtype`` (cached) if it is floating, else ``x``."""
@@ -186,14 +226,16 @@ class Scope:
                                  quiet=self._config.quiet or quiet)
     names = self.names
     arg_params = self._arg_params(in_avals, self._eqn)
+    arg_consts = self._arg_consts(in_avals, self._eqn)
     key = self._cache_key(config, closed, in_avals, out_dtypes,
-                          cast_inputs_to, arg_params)
+                          cast_inputs_to, arg_params, arg_consts)
     if key is not None and key in config.trace_cache:
       return config.trace_cache[key]
 
     def run(*args):
       env = Env()
       env.arg_params = arg_params
+      env.arg_consts = arg_consts
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if dtypes.float_value((a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -209,7 +251,7 @@ class Scope:
     return new
 
   def _cache_key(self, config, closed, in_avals, out_dtypes, cast_inputs_to,
-                 arg_params) -> Optional[tuple]:
+                 arg_params, arg_consts) -> Optional[tuple]:
     """What `trace` depends on, where one answer serves every call site.
 
     A sub-jaxpr without scope names of its own (the `jit` bodies that
@@ -230,7 +272,9 @@ class Scope:
       key = (closed, tuple(in_avals),
              None if out_dtypes is None else tuple(out_dtypes),
              None if cast_inputs_to is None else tuple(cast_inputs_to),
-             config.quiet, tuple(arg_params), governs)
+             config.quiet, tuple(arg_params),
+             tuple(None if c is None else (c.dtype, c.tobytes())
+                   for c in arg_consts), governs)
       hash(key)
     except TypeError:
       return None
@@ -280,6 +324,9 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
     if flag:
       env.mark_param(env.values[var])
+  for var, value in zip(jaxpr.invars, env.arg_consts or ()):
+    if value is not None:
+      env.mark_const(env.values[var], value)
   for eqn in jaxpr.eqns:
     invals = [env.read(v) for v in eqn.invars]
     names = prefix + jax_compat.eqn_scope_names(eqn)

@@ -23,6 +23,8 @@ float32 it gives the rounded number every other consumer reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -69,3 +71,14 @@ def widen(x: Any, dtype: Any) -> jax.Array:
   exponent_bits, mantissa_bits = bits
   return jax.lax.reduce_precision(y, exponent_bits=exponent_bits,
                                   mantissa_bits=mantissa_bits)
+
+
+@functools.lru_cache(maxsize=None)
+def widener(dtype: Any) -> Callable[[Any], jax.Array]:
+  """``lambda x: widen(x, dtype)``, one function per dtype (a cache key).
+
+  >>> import jax.numpy as jnp
+  >>> widener(jnp.float32) is widener(jnp.float32)
+  True
+  """
+  return functools.partial(widen, dtype=np.dtype(dtype))

@@ -136,6 +136,9 @@ def user_source(eqn) -> str:
 # The class of every traced value (`jax.extend.core.Tracer` where it exists).
 Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
 
+# Tracers of forward-mode and linearizing autodiff (`jax.jvp`, `jax.grad`).
+AUTODIFF_TRACERS = (_ad.JVPTracer, _ad.LinearizeTracer)
+
 ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
 DropVar = jex_core.DropVar
@@ -485,6 +488,7 @@ __all__ = [
     "tangent_aval",
     "trace_to_closed_jaxpr",
     "Tracer",
+    "AUTODIFF_TRACERS",
     "user_source",
     "varying_axes",
     "while_p",

@@ -28,6 +28,7 @@ import functools
 import jax
 
 from mpolicy._src import jax_compat
+from mpolicy._src import staged
 
 # Backends whose half matmul/convolution units accumulate in float32.
 ACCELERATORS = ("cuda", "rocm", "tpu")
@@ -73,6 +74,12 @@ def define(primitive, composite, accelerator_composite, lhs_transpose,
                                platform=platform)
   jax_compat.define_bilinear(primitive, lhs_transpose, rhs_transpose)
   jax_compat.define_batching(primitive, batch)
+
+
+def bind(primitive, lhs, rhs, **params):
+  """Binds a half matmul or convolution primitive (see `staged`: under
+  `jax.grad` its linearization is made once per signature)."""
+  return staged.bind(primitive, lhs, rhs, **params)
 
 
 def operands(side, x, y):

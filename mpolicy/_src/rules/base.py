@@ -14,6 +14,7 @@ from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
+from mpolicy._src import staged
 from mpolicy._src.rules import facts as facts_lib
 
 AS_WRITTEN = "as written"
@@ -44,6 +45,13 @@ class RuleEnv(Protocol):
 
   def mark_param(self, x) -> None:
     """Records ``x`` as a parameter or input."""
+
+  def const_of(self, x):
+    """The scalar constant ``x`` holds everywhere (a literal, a broadcast
+    of one), else ``None``."""
+
+  def mark_const(self, x, value) -> None:
+    """Records that ``x`` holds the scalar ``value`` everywhere."""
 
 
 @dataclasses.dataclass
@@ -122,9 +130,10 @@ Rule = Callable[[Op], Optional[list]]
 
 
 def bind(eqn, args, params=None) -> list:
-  """Binds ``eqn``'s primitive on ``args``; always returns a list."""
+  """Binds ``eqn``'s primitive on ``args`` (via `staged`); always returns a
+  list."""
   params = eqn.params if params is None else params
-  out = eqn.primitive.bind(*args, **params)
+  out = staged.bind(eqn.primitive, *args, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 

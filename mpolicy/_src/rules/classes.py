@@ -13,7 +13,8 @@ What each class means:
   ``full`` op on a bfloat16 value computes in float32 and stores its
   result, and the derivative the backward pass keeps, in bfloat16, unless
   only float32 readers use it.
-* ``promote``: the widest floating dtype among the inputs.
+* ``promote``: the widest floating dtype among the inputs; scalar
+  constants (and broadcasts of them) follow the arrays.
 * anything else (``None``): the dtype of its inputs. Where floating inputs
   disagree, literals follow the arrays; parameters and inputs (arrays that
   entered the call, and reshapes, broadcasts, transposes and slices of
@@ -100,11 +101,10 @@ def _full(op: base.Op) -> list:
     # loses one rounding, as any bfloat16 activation does, and under grad
     # what is saved for the backward pass is half as big. (Read only by
     # other `full` ops, the result stays float32.)
-    i = floats[0]
-    fn = lambda v: base.bind(eqn, [*args[:i], v, *args[i + 1:]])[0]
     op.ran_in = "float32"
     op.why += "; computed in float32, stored in bfloat16"
-    return [half_storage.unary_in_float32(fn, args[i], store)]
+    return [half_storage.primitive_in_float32(eqn.primitive, eqn.params, args,
+                                              floats[0], store)]
   op.args = [env.cast(a, jnp.float32) if dtypes.is_half(dtypes.dtype_of(a))
              else a for a in args]
   return base.bind_op(op)
@@ -114,10 +114,15 @@ def _full(op: base.Op) -> list:
 
 
 def _promote(op: base.Op) -> list:
-  """The widest floating dtype among the inputs."""
+  """The widest floating dtype among the inputs; scalar constants (and
+  broadcasts of them) follow the arrays."""
   op.rule, op.why = PROMOTE, f"promote: {op.reason}"
-  floats = [dtypes.dtype_of(a) for a in op.args if dtypes.float_value(a)]
-  return _run_at(op, dtypes.widest(floats) if len(set(floats)) > 1 else None)
+  floats = [a for a in op.args if dtypes.float_value(a)]
+  kinds = {dtypes.dtype_of(a) for a in floats}
+  if len(kinds) <= 1:
+    return _run_at(op, None)
+  arrays = [dtypes.dtype_of(a) for a in floats if op.env.const_of(a) is None]
+  return _run_at(op, dtypes.widest(arrays or kinds))
 
 
 def _inputs(op: base.Op, why: Optional[str] = None) -> list:
@@ -175,7 +180,8 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
     if (compute is not None and env.is_param(a) and not dtypes.is_double(d)
         and d.itemsize > np.dtype(compute).itemsize):
       d = np.dtype(compute)
-    scalar_const = not dtypes.is_traced(a) and np.ndim(a) == 0
+    scalar_const = (env.const_of(a) is not None if env is not None
+                    else not dtypes.is_traced(a) and np.ndim(a) == 0)
     (followers if weak or scalar_const else arrays).append(d)
   if len(actual) <= 1:
     return None
@@ -200,7 +206,7 @@ def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
     op.ran_in = "float32"
     op.why += ("; a bfloat16 value scaled by a float32 statistic: computed "
                "in float32, stored in bfloat16")
-    return [half_storage.scale_in_float32(op.prim.name, x, s, store, x_first)]
+    return [half_storage.scaled_in_float32(op.prim.name, x, s, store, x_first)]
   if target is not None:
     op.args = _widen_params(env, eqn, op.args, target)
     op.args = [env.cast(a, target) if dtypes.float_value(a) else a
@@ -334,3 +340,8 @@ facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
                 "expand_dims", "slice", "dynamic_slice", "gather", "rev",
                 "copy", "copy_p", "device_put", "sharding_constraint"),
                keeps_param=True)
+
+# Re-shapings of their first operand: a broadcast scalar constant (a mask's
+# fill value) is still that constant, and follows the arrays it meets.
+facts.register(("broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                "copy", "copy_p"), keeps_constant=True)

@@ -118,8 +118,8 @@ def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
   if not canonical:
     params = jax_compat.canonical_conv_params(np.shape(lhs), np.shape(rhs),
                                               **params)
-  return amp_conv_general_dilated_p.bind(lhs, rhs, **params,
-                                         out_dtype=np.dtype(out_dtype))
+  return amp_primitive.bind(amp_conv_general_dilated_p, lhs, rhs, **params,
+                            out_dtype=np.dtype(out_dtype))
 
 
 def _conv_composite(lhs, rhs, *, out_dtype, **params):

@@ -81,6 +81,10 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
 
   if facts.keeps_param and invals and env.is_param(invals[0]) and len(outs) == 1:
     env.mark_param(outs[0])
+  if facts.keeps_constant and len(outs) == 1:
+    value = env.const_of(invals[0])
+    if value is not None:
+      env.mark_const(outs[0], value)
   if recording.active() and not quiet:
     # A cast in the traced code (or made for a module's policy) is the
     # code's own, even though the environment makes it: not counted.

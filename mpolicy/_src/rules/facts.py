@@ -49,6 +49,8 @@ class Facts:
       scaled by a float32 statistic computes in float32, stored in bfloat16.
     keeps_param: its result re-arranges its first operand (a reshape,
       slice, ...): a parameter stays a parameter.
+    keeps_constant: its result holds what its first operand holds
+      everywhere (a broadcast, a reshape): a scalar constant stays one.
     accumulates: its ``preferred_element_type`` follows re-typed inputs.
     special: a rule for this primitive run before its class rule (see
       `dispatch`); it may decline by returning ``None``.
@@ -63,6 +65,7 @@ class Facts:
   broadcasts: bool = False
   scales: bool = False
   keeps_param: bool = False
+  keeps_constant: bool = False
   accumulates: bool = False
   special: Optional[Callable[..., Any]] = None
   lower: Optional[Callable[..., Any]] = None

@@ -12,10 +12,13 @@ work at every order.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import staged
 from mpolicy._src import widen
 
 
@@ -77,3 +80,45 @@ def scale_in_float32(kind, x, s, store_dtype, x_first=True):
     return out, (from_x + from_s).astype(store_dtype)
 
   return op(x, s)
+
+
+def primitive_in_float32(primitive, params: dict, args, i: int, store_dtype):
+  """`unary_in_float32` of ``primitive`` on ``args``, acting on ``args[i]``.
+
+  The same op at the same signature is one cached function (see `staged`):
+  under `jax.grad` its derivative is traced once, not once per layer.
+  """
+  try:
+    fn = _primitive_fn(primitive, tuple(sorted(params.items())), i,
+                       np.dtype(store_dtype))
+  except TypeError:  # An unhashable param.
+    fn = functools.partial(_primitive_in_float32, primitive, params, i,
+                           np.dtype(store_dtype))
+    return fn(*args)
+  return staged.call(fn, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _primitive_fn(primitive, params: tuple, i: int, store_dtype):
+  return functools.partial(_primitive_in_float32, primitive, dict(params), i,
+                           store_dtype)
+
+
+def _primitive_in_float32(primitive, params, i, store_dtype, *args):
+  def fn(v):
+    return primitive.bind(*args[:i], v, *args[i + 1:], **params)
+  return unary_in_float32(fn, args[i], store_dtype)
+
+
+def scaled_in_float32(kind, x, s, store_dtype, x_first=True):
+  """`scale_in_float32`, one cached function per signature (see `staged`)."""
+  return staged.call(_scale_fn(kind, np.dtype(store_dtype), x_first), x, s)
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_fn(kind, store_dtype, x_first):
+  return functools.partial(_scale, kind, store_dtype, x_first)
+
+
+def _scale(kind, store_dtype, x_first, x, s):
+  return scale_in_float32(kind, x, s, store_dtype, x_first)

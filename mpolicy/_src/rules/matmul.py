@@ -124,10 +124,10 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
   compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
                            else compute_dtype)
   extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-  return amp_dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
-                                precision=precision,
-                                out_dtype=np.dtype(out_dtype),
-                                compute_dtype=compute_dtype, **extra)
+  return amp_primitive.bind(amp_dot_general_p, lhs, rhs,
+                            dimension_numbers=dimension_numbers,
+                            precision=precision, out_dtype=np.dtype(out_dtype),
+                            compute_dtype=compute_dtype, **extra)
 
 
 def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,

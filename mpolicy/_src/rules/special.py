@@ -86,7 +86,9 @@ facts.register(jax_compat.CALLBACK_PRIMITIVES, special=_callback)
 
 def _in_wider_source(op: base.Op) -> Optional[list]:
   """A broadcast or gather of a value cast down from float32 (a bias, an
-  embedding table) runs on the float32 value, then casts.
+  embedding table) runs on the float32 value, then casts; so does a gather
+  of a float32 parameter under a half policy (an embedding lookup), whose
+  rows are then used in the compute dtype.
 
   The values are the same, and under grad the transpose (a sum over the
   broadcast dims, a scatter-add into the table) accumulates in float32
@@ -95,13 +97,27 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
   inside `full_precision()`.
   """
   x = op.args[0]
-  wide = op.env.wider_source(x)
-  if op.op_class is not None or wide is x:
+  if op.op_class is not None:
     return None
-  op.why = (f"{op.prim.name} of a down-cast value: runs in its wider dtype, "
-            "then cast (its gradient sums in float32)")
-  return [op.env.cast(o, dtypes.dtype_of(x))
-          for o in base.bind(op.eqn, [wide, *op.args[1:]])]
+  wide = op.env.wider_source(x)
+  if wide is not x:
+    op.why = (f"{op.prim.name} of a down-cast value: runs in its wider dtype, "
+              "then cast (its gradient sums in float32)")
+    return [op.env.cast(o, dtypes.dtype_of(x))
+            for o in base.bind(op.eqn, [wide, *op.args[1:]])]
+  compute = op.half_compute()
+  if (op.prim is jax_compat.gather_p and compute is not None
+      and op.env.is_param(x) and dtypes.float_value(x)
+      and not dtypes.is_double(dtypes.dtype_of(x))
+      and dtypes.dtype_of(x).itemsize > compute.itemsize):
+    # An embedding lookup: the rows a parameter table gives are used in the
+    # compute dtype, as the table cast by a module's policy would give them.
+    op.why = (f"gather of a {dtypes.dtype_of(x).name} parameter: runs in "
+              f"{dtypes.dtype_of(x).name}, its rows used in the compute dtype "
+              f"{compute.name} (policy from {op.decided_by}; its gradient "
+              "sums in float32)")
+    return [op.env.cast(o, compute) for o in base.bind_op(op)]
+  return None
 
 
 facts.register((jax_compat.broadcast_in_dim_p, jax_compat.gather_p),
