@@ -1,11 +1,10 @@
-"""The one door to JAX internals: every import of `jax._src` and
-`jax.extend`, and every read of a primitive's params by key, is in this
-package.
+"""The one door to JAX internals.
 
-* `internals`: name stacks, where an equation was written, jaxpr types,
+* `internals`: the one module that imports JAX's private and extension
+  modules; name stacks, where an equation was written, jaxpr types,
   primitives matched by identity, tracing, defining primitives, devices.
-* `params`: readers of equation params that accept each shape the
-  supported JAX versions (0.10.2 to 0.12) use.
+* `params`: every read of a primitive's params by key, accepting each
+  shape the supported JAX versions (0.10.2 to 0.12) use.
 
 Supporting another JAX version means changing this package only. Nothing
 in it knows about policies. Every name is re-exported here: the rest of

@@ -38,7 +38,6 @@ from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_placement
-from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
 amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
@@ -302,19 +301,12 @@ def _conv_sizes(eqn) -> tuple[int, int, int]:
 
 
 def _lower_conv_fp8(op: base.Op) -> Optional[list]:
-  if jax_compat.out_sharding(op.eqn) is not None:
-    op.note = (f", not {op.fp8_dtype.name}: the convolution names an "
-               "out_sharding, which the float8 convolution does not carry")
+  """The float8 convolution, where `fp8_placement.admit` lets it run."""
+  admitted = fp8_placement.admit(op, "convolution", _conv_sizes(op.eqn),
+                                 FP8_REASON)
+  if admitted is None:
     return None
-  if fp8_placement.declines(op, op.rules.fp8, _conv_sizes(op.eqn), op.args):
-    return None
-  op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
-  op.why = (f"lower in {op.fp8_dtype.name} ({FP8_REASON}); policy from "
-            f"{op.decided_by}")
-  lhs, rhs = (op.env.wider_source(a) for a in op.args)
-  out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
-  label = fp8_probe.new_site(op.scope, op.prim.name,
-                             fp8_probe.shape_of(lhs, rhs))
+  lhs, rhs, out_dtype, label = admitted
   return [fp8_conv_general_dilated(lhs, rhs, out_dtype=out_dtype, label=label,
                                    **jax_compat.conv_params(op.eqn))]
 

@@ -20,6 +20,11 @@ from typing import Optional
 
 import jax
 
+from mpolicy._src import jax_compat
+from mpolicy._src.rules import base
+from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_probe
+
 MATMULS = ("weights", "all")
 SCALINGS = ("per_row", "per_tensor")
 UNSET = object()
@@ -152,3 +157,32 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
                f"below the fp8 threshold {_size_text(threshold)} {where}")
     return True
   return False
+
+
+def admit(op, what: str, dims: tuple[int, ...], reason: str):
+  """The float8 rule's common part: whether ``op`` runs in float8 and, if
+  so, its operands, result dtype and probe label.
+
+  Declines (returns ``None``, saying why in ``op.note``) a ``what`` (``"dot"``,
+  ``"convolution"``) that names an output sharding, which the float8 ops do
+  not carry, and one `declines` keeps out. Otherwise it records the rule
+  and ``reason`` on ``op`` and returns ``(lhs, rhs, out_dtype, label)``:
+  the operands quantized from the widest value at hand (a float32
+  parameter's gradient then comes back in float32; only float8 copies are
+  saved), the result dtype, and the `fp8_probe` site's label (``None``
+  outside a probe).
+  """
+  dtype = op.fp8_dtype.name
+  if jax_compat.out_sharding(op.eqn) is not None:
+    op.note = (f", not {dtype}: the {what} names an out_sharding, which the "
+               f"float8 {what} does not carry")
+    return None
+  if declines(op, op.rules.fp8, dims, op.args):
+    return None
+  op.rule, op.ran_in = facts.LOWER, dtype
+  op.why = f"lower in {dtype} ({reason}); policy from {op.decided_by}"
+  lhs, rhs = (op.env.wider_source(a) for a in op.args)
+  out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
+  label = fp8_probe.new_site(op.scope, op.prim.name,
+                             fp8_probe.shape_of(lhs, rhs))
+  return lhs, rhs, out_dtype, label

@@ -41,7 +41,6 @@ from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
-from mpolicy._src.rules import fp8_probe
 from mpolicy._src.rules import fp8_scaling
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
@@ -417,25 +416,15 @@ def _dot_sizes(eqn) -> tuple[int, ...]:
 
 
 def _lower_dot_fp8(op: base.Op) -> Optional[list]:
-  """The float8 matmul, quantized from the widest value at hand (a float32
-  parameter's gradient then comes back in float32; only float8 copies are
-  saved). Declines a dot that names an output sharding."""
-  if jax_compat.out_sharding(op.eqn) is not None:
-    op.note = (f", not {op.fp8_dtype.name}: the dot names an out_sharding, "
-               "which the float8 matmul does not carry")
-    return None
+  """The float8 matmul, where `fp8_placement.admit` lets it run."""
   options = op.rules.fp8
-  if fp8_placement.declines(op, options, _dot_sizes(op.eqn), op.args):
+  admitted = fp8_placement.admit(
+      op, "dot", _dot_sizes(op.eqn),
+      FP8_REASON.format(_SCALING_TEXT[options.scaling]))
+  if admitted is None:
     return None
-  op.rule, op.ran_in = facts.LOWER, op.fp8_dtype.name
-  reason = FP8_REASON.format(_SCALING_TEXT[options.scaling])
-  op.why = (f"lower in {op.fp8_dtype.name} ({reason}); policy from "
-            f"{op.decided_by}")
-  lhs, rhs = (op.env.wider_source(a) for a in op.args)
+  lhs, rhs, out_dtype, label = admitted
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
-  out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
-  label = fp8_probe.new_site(op.scope, op.prim.name,
-                             fp8_probe.shape_of(lhs, rhs))
   return [fp8_dot_general(
       lhs, rhs, dimension_numbers, out_dtype=out_dtype,
       scaling=options.scaling,
