@@ -1,9 +1,10 @@
 """`amp` over code traced in float32 against `transform_amp` on the same model.
 
-Code traced in float32 writes float32 constants (a mask's fill value) and
-looks up float32 embedding rows; under a half policy neither should keep
-the computation in float32 where the module policies of `transform_amp`
-(and jmp) give half values.
+Code traced in float32 writes float32 constants (a mask's fill value),
+looks up float32 embedding rows and centres and scales layer norms by
+float32 statistics; under a half policy none of these should keep the
+computation in float32 where the module policies of `transform_amp` (and
+jmp) give half values.
 """
 
 import contextlib
@@ -97,6 +98,97 @@ def test_an_embedding_lookup_gives_compute_dtype_rows():
   assert grad.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(grad)[:, 0],
                                 [0, 2, 0, 0, 0, 0, 0, 1, 0, 0])
+
+
+def _layer_norm(x, w):
+  return hk.LayerNorm(-1, True, True)(x @ w)  # x @ w: a bfloat16 activation.
+
+
+def test_a_layer_norm_stores_its_centred_and_scaled_values_in_bfloat16():
+  f = hk.without_apply_rng(hk.transform(_layer_norm))
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 32)) * 3 + 40
+  w = jnp.eye(32) + 0.01
+  params = f.init(jax.random.PRNGKey(1), x, w)
+  params = jax.tree_util.tree_map(lambda p: p + 0.25, params)
+  g = mpolicy.amp(f.apply, "p=f32,c=bf16,o=bf16")
+  eqns = _helpers.all_eqns(g, params, x, w)
+  big = lambda e: e.outvars and e.outvars[0].aval.shape == (4, 16, 32)
+  subs = [e for e in eqns if e.primitive.name == "sub" and big(e)]
+  # ``x - mean`` computes in float32 (exactly, before one rounding) and is
+  # stored in bfloat16.
+  assert subs and all(e.invars[0].aval.dtype == jnp.float32
+                      and e.outvars[0].aval.dtype == jnp.float32
+                      for e in subs), subs
+  # ``scale * rsqrt(var)``, its product with the centred values and the
+  # output are bfloat16 too (jnp.var centres again inside its own jit: read
+  # only by its float32 square and sum, those centred values stay float32).
+  outer = [e for e in jax.make_jaxpr(g)(params, x, w).jaxpr.eqns
+           if big(e) and e.primitive.name in ("mul", "add")]
+  assert outer and all(e.outvars[0].aval.dtype == jnp.bfloat16
+                       for e in outer), outer
+  # Values: the centring is exact before its one rounding; the output is
+  # within bfloat16 rounding of the float32 norm.
+  bf16 = lambda a: a.astype(jnp.bfloat16)
+  xb = jnp.dot(bf16(x), bf16(w), preferred_element_type=jnp.float32)
+  xb = bf16(xb).astype(jnp.float32)  # The bfloat16 activation normed.
+  want = f.apply(params, xb, jnp.eye(32))
+  got = g(params, x, w)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want),
+                             rtol=2e-2, atol=2e-2)
+  explained = str(mpolicy.explain(g, params, x, w))
+  assert "offset by a float32 statistic spread along it" in explained
+  assert "scaled by a float32 statistic" in explained
+
+
+def test_centring_under_grad_sums_the_statistics_gradient_in_float32():
+  def f(x):
+    h = x.astype(jnp.bfloat16) * 1.0
+    m = jnp.mean(h.astype(jnp.float32), -1, keepdims=True)
+    return h - m
+  x = 100 + jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  g = mpolicy.amp(f, "p=f32,c=bf16,o=bf16")
+  y = g(x)
+  assert y.dtype == jnp.bfloat16
+  xb = np.asarray(x.astype(jnp.bfloat16), np.float32)
+  want = (xb - xb.mean(-1, keepdims=True)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+  # d/dx sum((x - mean(x)) * w) = w - mean(w): the statistic's cotangent is
+  # a float32 sum of bfloat16 cotangents.
+  wts = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+  grad = jax.grad(lambda x: jnp.sum(g(x).astype(jnp.float32) * wts))(x)
+  wb = np.asarray(wts.astype(jnp.bfloat16), np.float32)
+  np.testing.assert_allclose(np.asarray(grad), wb - wb.mean(-1, keepdims=True),
+                             atol=2e-2)
+
+
+def test_a_difference_of_same_shaped_values_keeps_float32():
+  # The per-token loss ``logsumexp(logits) - logits[label]`` subtracts two
+  # values of one shape: no statistic is spread, so the widest dtype wins
+  # and the loss keeps float32.
+  def f(x, w):
+    logits = x @ w
+    return jax.nn.logsumexp(logits, -1) - logits[:, 0]
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+  out = mpolicy.amp(f, "p=f32,c=bf16,o=f32")(x, jnp.eye(16))
+  subs = [e for e in _helpers.all_eqns(mpolicy.amp(f, "p=f32,c=bf16,o=f32"),
+                                       x, jnp.eye(16))
+          if e.primitive.name == "sub" and e.outvars[0].aval.shape == (8,)]
+  assert subs and all(e.outvars[0].aval.dtype == jnp.float32 for e in subs)
+  assert out.dtype == jnp.float32
+
+
+def test_centring_under_float16_stays_float32():
+  # float16 lacks float32's range: a statistic's offset keeps float32.
+  def f(x):
+    h = x.astype(jnp.float16) * 1.0
+    return h - jnp.mean(h.astype(jnp.float32), -1, keepdims=True)
+  out = mpolicy.amp(f, "p=f32,c=f16,o=f16")(jnp.ones((4, 8)))
+  eqns = _helpers.all_eqns(mpolicy.amp(f, "p=f32,c=f16,o=f16"),
+                           jnp.ones((4, 8)))
+  (sub,) = [e for e in eqns if e.primitive.name == "sub"]
+  assert sub.outvars[0].aval.dtype == jnp.float32
+  assert out.dtype == jnp.float16  # The output policy's cast.
 
 
 def _compiled_grad(variant, layers):

@@ -64,6 +64,8 @@ class Env:
     # broadcast literal), by id; and the constants among the invars.
     self._consts: dict[int, np.ndarray] = {}
     self.arg_consts: Optional[Sequence[Any]] = None
+    # Ids of broadcasts of smaller arrays (a statistic spread along a row).
+    self._spread: set[int] = set()
     # Variables read only by `full` ops (they keep float32 results).
     self.full_only: set[Any] = set()
     self.inserted = 0
@@ -89,6 +91,15 @@ class Env:
     if not dtypes.is_traced(x):
       return np.asarray(x) if np.ndim(x) == 0 else None
     return self._consts.get(id(x))
+
+  def mark_spread(self, x) -> None:
+    """Records that ``x`` repeats a smaller array (a broadcast)."""
+    if dtypes.is_traced(x):
+      self._spread.add(id(x))
+      self._keep.append(x)
+
+  def is_spread(self, x) -> bool:
+    return dtypes.is_traced(x) and id(x) in self._spread
 
   def read(self, var):
     if isinstance(var, jax_compat.Literal):

@@ -53,6 +53,12 @@ class RuleEnv(Protocol):
   def mark_const(self, x, value) -> None:
     """Records that ``x`` holds the scalar ``value`` everywhere."""
 
+  def is_spread(self, x) -> bool:
+    """Whether ``x`` repeats a smaller array (a broadcast of one)."""
+
+  def mark_spread(self, x) -> None:
+    """Records that ``x`` repeats a smaller array."""
+
 
 @dataclasses.dataclass
 class Op:

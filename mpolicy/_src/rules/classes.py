@@ -19,11 +19,14 @@ What each class means:
   disagree, literals follow the arrays; parameters and inputs (arrays that
   entered the call, and reshapes, broadcasts, transposes and slices of
   them) are used in the compute dtype; otherwise the widest dtype wins (so
-  ``x - mean(x)`` runs in float32). Under a bfloat16 policy, a ``mul`` or
-  ``div`` of a bfloat16 value by a float32 statistic (softmax's division by
-  its sum) computes in float32 and stores its result in bfloat16. If JAX
-  rejects the re-typed equation, it runs on inputs cast back to the dtypes
-  it was traced with.
+  under float16 ``x - mean(x)`` runs in float32). Under a bfloat16 policy,
+  a ``mul`` or ``div`` of a bfloat16 value (or a parameter) by a float32
+  statistic (softmax's division by its sum, LayerNorm's ``scale *
+  rsqrt(var)``), and an ``add`` or ``sub`` of one and a float32 statistic
+  spread along it (LayerNorm's ``x - mean(x)``), compute in float32 and
+  store their result in bfloat16 (see `_stored_half`). If JAX rejects the
+  re-typed equation, it runs on inputs cast back to the dtypes it was
+  traced with.
 * `base.AS_WRITTEN`: inside `full_precision()` and where a policy that
   computes in float32 or wider governs: the code runs exactly as written.
 
@@ -190,23 +193,14 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
 
 def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
   """Runs ``op`` with its floating arguments at ``target`` (``None``: as
-  they are), or, for a bfloat16 value scaled by a float32 statistic under a
-  bfloat16 policy, in float32 stored in bfloat16."""
+  they are), or, for a bfloat16 value scaled or offset by a float32
+  statistic under a bfloat16 policy, in float32 stored in bfloat16."""
   env, eqn = op.env, op.eqn
   store = op.bf16_storage()
-  scaled = (None if store is None or not op.facts.scales
-            or target != jnp.float32
-            else _scaled_half(env, eqn, op.args, store))
-  if scaled is not None:
-    # A bfloat16 activation scaled by a float32 value that is no parameter
-    # (softmax's division by its sum, typically): computed in float32,
-    # stored in bfloat16. A product or quotient has no cancellation, so the
-    # storage costs one rounding.
-    x, s, x_first = scaled
-    op.ran_in = "float32"
-    op.why += ("; a bfloat16 value scaled by a float32 statistic: computed "
-               "in float32, stored in bfloat16")
-    return [half_storage.scaled_in_float32(op.prim.name, x, s, store, x_first)]
+  if store is not None and (target is None or target == jnp.float32):
+    outs = _stored_half(op, store)
+    if outs is not None:
+      return outs
   if target is not None:
     op.args = _widen_params(env, eqn, op.args, target)
     op.args = [env.cast(a, target) if dtypes.float_value(a) else a
@@ -214,19 +208,59 @@ def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
   return base.bind_op(op)
 
 
-def _scaled_half(env, eqn, args, half):
-  """``(x, s, x_first)`` if a `mul`/`div` scales a ``half`` array ``x`` by
-  a float32 array ``s`` that is no parameter (for `div`, ``x / s``)."""
-  if len(args) != 2 or any(isinstance(v, jax_compat.Literal)
-                           or not dtypes.is_traced(a)
-                           for v, a in zip(eqn.invars, args)):
+def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
+  """A ``store`` (bfloat16) array combined with a float32 statistic,
+  computed in float32 and stored in ``store``; ``None`` if ``op`` is no
+  such combination.
+
+  Two kinds: a product or quotient (softmax's division by its sum), which
+  has no cancellation; and a sum or difference with a statistic spread
+  along the array (LayerNorm's ``x - mean``), computed exactly in float32
+  before the one rounding. Either way the result costs one rounding, as any
+  bfloat16 activation does, and the backward pass keeps bfloat16 values (a
+  sum keeps none). A parameter counts as bfloat16: it is used in the compute
+  dtype. A product of two operands both spread along the result
+  (LayerNorm's ``scale * rsqrt(var)``) runs in bfloat16, as in a bfloat16
+  program. A result read only by ``full`` ops (``jnp.var``'s centred
+  values, squared and summed) stays float32.
+  """
+  env, eqn, args = op.env, op.eqn, op.args
+  facts_ = op.facts
+  if (not (facts_.scales or facts_.offsets) or len(args) != 2
+      or eqn.outvars[0] in env.full_only  # Read only in float32: kept so.
+      or any(isinstance(v, jax_compat.Literal) or not dtypes.is_traced(a)
+             for v, a in zip(eqn.invars, args))):
     return None
-  a, b = args
-  for x, s, x_first in ((a, b, True), (b, a, False)):
-    if (dtypes.dtype_of(x) == half and dtypes.dtype_of(s) == jnp.float32
-        and not env.is_param(s)
-        and (x_first or eqn.primitive is jax.lax.mul_p)):
-      return x, s, x_first
+  for i in (0, 1):
+    x, s = args[i], args[1 - i]
+    x_dtype = dtypes.dtype_of(x)
+    if (dtypes.dtype_of(s) != jnp.float32 or env.is_param(s)
+        or not (x_dtype == store or (env.is_param(x)
+                                     and x_dtype == jnp.float32))):
+      continue
+    if facts_.scales and (i == 0 or eqn.primitive is jax.lax.mul_p):
+      size = np.prod(eqn.outvars[0].aval.shape)
+      if np.size(x) < size and np.size(s) < size:
+        # Both operands spread along the result (``scale * rsqrt(var)``):
+        # the product of a bfloat16 program, the statistic rounded to
+        # bfloat16. (In float32, XLA:CPU keeps float32 broadcasts of them
+        # for the backward pass: 2 MiB more per norm at d_model 512.)
+        op.why += ("; a bfloat16 value scaled by a float32 statistic, both "
+                   "spread along the result: in bfloat16")
+        op.args = [env.cast(a, store) for a in args]
+        return base.bind_op(op)
+      op.ran_in = "float32"
+      op.why += ("; a bfloat16 value scaled by a float32 statistic: "
+                 "computed in float32, stored in bfloat16")
+      return [half_storage.scaled_in_float32(op.prim.name, env.cast(x, store),
+                                             s, store, i == 0)]
+    if facts_.offsets and (env.is_spread(s) or np.size(s) < np.size(x)):
+      op.ran_in = "float32"
+      op.why += ("; a bfloat16 value offset by a float32 statistic spread "
+                 "along it: computed in float32, stored in bfloat16")
+      # A linear op: the backward pass keeps nothing of it.
+      op.args = [env.cast(a, jnp.float32) for a in args]
+      return [env.cast(o, store) for o in base.bind_op(op)]
   return None
 
 
@@ -333,6 +367,13 @@ facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
 # Products and quotients: a small relative error whatever the operands'
 # magnitudes (no cancellation).
 facts.register(("mul", "div"), scales=True)
+
+# Sums and differences: a bfloat16 value offset by a float32 statistic
+# spread along it (``x - mean(x)``) computes in float32, stored in bfloat16.
+facts.register(("add", "sub"), offsets=True)
+
+# A broadcast of a smaller array: a float32 value spread so is a statistic.
+facts.register("broadcast_in_dim", spreads=True)
 
 # Re-arrangements of (part of) their first operand: a parameter reshaped,
 # broadcast, transposed or sliced is still a parameter.

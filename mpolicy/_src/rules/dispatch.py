@@ -81,6 +81,9 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
 
   if facts.keeps_param and invals and env.is_param(invals[0]) and len(outs) == 1:
     env.mark_param(outs[0])
+  if (facts.spreads and len(outs) == 1 and invals
+      and np.size(invals[0]) < np.size(outs[0])):
+    env.mark_spread(outs[0])
   if facts.keeps_constant and len(outs) == 1:
     value = env.const_of(invals[0])
     if value is not None:

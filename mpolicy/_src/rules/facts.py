@@ -47,6 +47,11 @@ class Facts:
       would broadcast is broadcast first, in its own dtype.
     scales: a product or quotient (no cancellation): a bfloat16 value
       scaled by a float32 statistic computes in float32, stored in bfloat16.
+    offsets: a sum or difference: a bfloat16 value offset by a float32
+      statistic spread along it (``x - mean(x)``) computes in float32,
+      stored in bfloat16.
+    spreads: its result repeats its operand along more elements (a
+      broadcast): a float32 value spread so is a statistic.
     keeps_param: its result re-arranges its first operand (a reshape,
       slice, ...): a parameter stays a parameter.
     keeps_constant: its result holds what its first operand holds
@@ -64,6 +69,8 @@ class Facts:
   elementwise: bool = False
   broadcasts: bool = False
   scales: bool = False
+  offsets: bool = False
+  spreads: bool = False
   keeps_param: bool = False
   keeps_constant: bool = False
   accumulates: bool = False
