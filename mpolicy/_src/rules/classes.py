@@ -79,9 +79,9 @@ def _lower(op: base.Op) -> list:
         op, why="lower op, but no half compute dtype governs: runs as written")
   op.rule = LOWER
   op.why = f"lower ({op.reason}){op.note}; policy from {op.decided_by}"
+  op.args = [op.env.cast(a, compute) if dtypes.float_value(a) else a
+             for a in op.args]
   if family.lower is None or not all_float:
-    op.args = [op.env.cast(a, compute) if dtypes.float_value(a) else a
-               for a in op.args]
     return base.bind_op(op)
   return family.lower(op, compute, base.result_dtype(op.eqn, compute))
 

@@ -273,7 +273,7 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
 
 
 def _lower_conv(op: base.Op, compute, out_dtype) -> list:
-  op.args = [op.env.cast(a, compute) for a in op.args]
+  del compute
   if jax_compat.out_sharding(op.eqn) is None:
     return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
                                      out_dtype=out_dtype)]

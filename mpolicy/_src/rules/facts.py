@@ -60,8 +60,7 @@ class Facts:
     special: a rule for this primitive run before its class rule (see
       `dispatch`); it may decline by returning ``None``.
     lower: the family's half rule for a ``lower`` op: ``fn(op, compute,
-      out_dtype) -> outputs``; the family casts the operands to ``compute``
-      (a matmul passes float32 parameters to its amp primitive as they are).
+      out_dtype) -> outputs``, with the operands already in ``compute``.
     lower_fp8: the family's float8 rule under ``c=f8``: ``fn(op) ->
       outputs``, or ``None`` to decline (it then runs as under bfloat16).
   """

@@ -35,7 +35,6 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
@@ -391,8 +390,8 @@ def _lower_dot(op: base.Op, compute, out_dtype) -> list:
   saving a float32 activation for the backward pass would double the memory
   its half copy needs."""
   env = op.env
-  lhs, rhs = (w if env.is_param(w := env.wider_source(a))
-              else env.cast(a, compute) for a in op.args)
+  lhs, rhs = (w if env.is_param(w := env.wider_source(a)) else a
+              for a in op.args)
   dimension_numbers, precision = jax_compat.dot_params(op.eqn)
   return [amp_dot_general(
       lhs, rhs, dimension_numbers=dimension_numbers, precision=precision,
@@ -437,8 +436,7 @@ def _lower_ragged(op: base.Op, compute, out_dtype) -> list:
   """Half operands, float32 accumulation, cast to ``out_dtype``. Under grad
   JAX's own transposes take the float32 cotangent: the backward ragged
   products multiply float32 by half (no amp primitive for ragged dots)."""
-  op.args = [op.env.cast(a, compute) if dtypes.float_value(a) else a
-             for a in op.args]  # The group sizes are integers.
+  del compute
   out = base.bind(op.eqn, op.args, jax_compat.params_with_result_dtype(
       op.eqn, jnp.float32))
   return [op.env.cast(o, out_dtype) for o in out]
