@@ -249,3 +249,17 @@ def test_scale_in_float32_derivatives_match_float32():
                                atol=1e-2)
     np.testing.assert_allclose(gs, ws, rtol=3e-2, atol=3e-2)
     assert gs.dtype == F32
+
+
+def test_amp_over_apply_keeps_what_transform_amp_keeps():
+  # Code traced in float32 centres and scales its layer norms by float32
+  # statistics; under bfloat16 the rules store those values in bfloat16,
+  # so the backward pass keeps what transform_amp's keeps (jnp.var's own
+  # float32 centring included), not float32 activations per norm.
+  ta_loss, _, _, params, tokens = _gpt_losses()
+  plain = hk.transform(_gpt)
+  amp_loss = _loss_of(mpolicy.amp(plain.apply, HALF))
+  ta = residual_bytes(ta_loss, params, tokens)
+  ours = residual_bytes(amp_loss, params, tokens)
+  assert ours["f32"] <= 1.05 * ta["f32"], (ours, ta)
+  assert sum(ours.values()) <= 1.05 * sum(ta.values()), (ours, ta)
