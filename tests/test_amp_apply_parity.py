@@ -141,24 +141,47 @@ def test_a_layer_norm_stores_its_centred_and_scaled_values_in_bfloat16():
   assert "scaled by a float32 statistic" in explained
 
 
+def _centred(explicit):
+  """Code traced in float32: a matmul's result (bfloat16 under the rules)
+  minus its row means, broadcast implicitly or with ``jnp.broadcast_to``."""
+  def f(x, w):
+    h = x @ w
+    m = jnp.mean(h, -1, keepdims=True)
+    return h - (jnp.broadcast_to(m, h.shape) if explicit else m)
+  return f
+
+
+_X = 100 + jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+_EYE = jnp.eye(64)
+
+
+def _is_bfloat16(a):
+  a = np.asarray(a, np.float32)
+  return np.array_equal(a, a.astype(jnp.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("explicit", [False, True],
+                         ids=["implicit", "broadcast_to"])
+def test_centring_by_a_spread_statistic_is_stored_in_bfloat16(explicit):
+  g = mpolicy.amp(_centred(explicit), "p=f32,c=bf16,o=f32")
+  (sub,) = [e for e in _helpers.all_eqns(g, _X, _EYE)
+            if e.primitive.name == "sub"]
+  assert sub.outvars[0].aval.dtype == jnp.float32  # Computed in float32,
+  y = g(_X, _EYE)
+  assert y.dtype == jnp.float32 and _is_bfloat16(y)  # stored in bfloat16.
+  xb = np.asarray(_X.astype(jnp.bfloat16), np.float32)  # The matmul's result.
+  np.testing.assert_allclose(np.asarray(y), xb - xb.mean(-1, keepdims=True),
+                             atol=1e-2)
+
+
 def test_centring_under_grad_sums_the_statistics_gradient_in_float32():
-  def f(x):
-    h = x.astype(jnp.bfloat16) * 1.0
-    m = jnp.mean(h.astype(jnp.float32), -1, keepdims=True)
-    return h - m
-  x = 100 + jax.random.normal(jax.random.PRNGKey(0), (8, 64))
-  g = mpolicy.amp(f, "p=f32,c=bf16,o=bf16")
-  y = g(x)
-  assert y.dtype == jnp.bfloat16
-  xb = np.asarray(x.astype(jnp.bfloat16), np.float32)
-  want = (xb - xb.mean(-1, keepdims=True)).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
-  # d/dx sum((x - mean(x)) * w) = w - mean(w): the statistic's cotangent is
-  # a float32 sum of bfloat16 cotangents.
-  wts = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
-  grad = jax.grad(lambda x: jnp.sum(g(x).astype(jnp.float32) * wts))(x)
-  wb = np.asarray(wts.astype(jnp.bfloat16), np.float32)
-  np.testing.assert_allclose(np.asarray(grad), wb - wb.mean(-1, keepdims=True),
+  g = mpolicy.amp(_centred(False), "p=f32,c=bf16,o=f32")
+  # d/dh sum((h - mean(h)) * v) = v - mean(v): the statistic's cotangent is
+  # a sum of the bfloat16 cotangents, in float32.
+  v = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+  grad = jax.grad(lambda x: jnp.sum(g(x, _EYE) * v))(_X)
+  vb = np.asarray(v.astype(jnp.bfloat16), np.float32)
+  np.testing.assert_allclose(np.asarray(grad), vb - vb.mean(-1, keepdims=True),
                              atol=2e-2)
 
 

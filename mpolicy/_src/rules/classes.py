@@ -238,6 +238,7 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
         or not (x_dtype == store or (env.is_param(x)
                                      and x_dtype == jnp.float32))):
       continue
+    x = env.cast(x, store)  # A parameter is used in the compute dtype.
     if facts_.scales and (i == 0 or eqn.primitive is jax.lax.mul_p):
       size = np.prod(eqn.outvars[0].aval.shape)
       if np.size(x) < size and np.size(s) < size:
@@ -247,19 +248,20 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
         # for the backward pass: 2 MiB more per norm at d_model 512.)
         op.why += ("; a bfloat16 value scaled by a float32 statistic, both "
                    "spread along the result: in bfloat16")
-        op.args = [env.cast(a, store) for a in args]
+        op.args = [x, env.cast(s, store)][::1 if i == 0 else -1]
         return base.bind_op(op)
       op.ran_in = "float32"
       op.why += ("; a bfloat16 value scaled by a float32 statistic: "
                  "computed in float32, stored in bfloat16")
-      return [half_storage.scaled_in_float32(op.prim.name, env.cast(x, store),
-                                             s, store, i == 0)]
+      return [half_storage.scaled_in_float32(op.prim.name, x, s, store,
+                                             i == 0)]
     if facts_.offsets and (env.is_spread(s) or np.size(s) < np.size(x)):
       op.ran_in = "float32"
       op.why += ("; a bfloat16 value offset by a float32 statistic spread "
                  "along it: computed in float32, stored in bfloat16")
       # A linear op: the backward pass keeps nothing of it.
-      op.args = [env.cast(a, jnp.float32) for a in args]
+      op.args = [env.cast(a, jnp.float32)
+                 for a in ([x, s] if i == 0 else [s, x])]
       return [env.cast(o, store) for o in base.bind_op(op)]
   return None
 
