@@ -89,6 +89,13 @@ def _cached_bound(primitive, params: tuple):
   return lambda *args: [primitive.bind(*args, **kwargs)]
 
 
+@functools.lru_cache(maxsize=1024)
+def bound_one(primitive, params: tuple):
+  """``lambda x: primitive.bind(x, **dict(params))``, one per pair."""
+  kwargs = dict(params)
+  return lambda x: primitive.bind(x, **kwargs)
+
+
 def call(fn, *args) -> Any:
   """``fn(*args)``, linearized once per signature where an operand is being
   linearized (``fn`` must be hashable, take arrays and return one)."""
