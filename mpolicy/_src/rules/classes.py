@@ -302,15 +302,14 @@ def _widen_params(env, eqn, args, target, compute) -> list:
   out = []
   for a in args:
     a_shape = tuple(np.shape(a))
-    wide = env.wider_source(a) if target is None else a
-    if (dtypes.float_value(a) and env.is_param(wide)
-        and dtypes.dtype_of(wide).itemsize > compute.itemsize
-        and not dtypes.is_double(dtypes.dtype_of(wide))
-        and (target is None or target == compute)
-        and len(a_shape) == len(shape) and a_shape != shape
-        and all(n in (1, m) for n, m in zip(a_shape, shape))):
-      a = half_storage.cast_after(half_storage.broadcaster(shape), wide,
-                                  compute)
+    if (len(a_shape) == len(shape) and a_shape != shape
+        and all(n in (1, m) for n, m in zip(a_shape, shape))
+        and (target is None or target == compute) and dtypes.float_value(a)):
+      wide = env.wider_source(a) if target is None else a
+      if (env.is_param(wide) and not dtypes.is_double(dtypes.dtype_of(wide))
+          and dtypes.dtype_of(wide).itemsize > compute.itemsize):
+        a = half_storage.cast_after(half_storage.broadcaster(shape), wide,
+                                    compute)
     out.append(a)
   return out
 
