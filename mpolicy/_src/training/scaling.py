@@ -124,13 +124,18 @@ def _attempt(scaled_fun, nums, grad_dtype, axis_name, reduce_dtype):
   """`attempt(loss_scale, *args)`: one scaled forward and backward, giving
   `(grads, grads_finite, loss, aux)`, reduced over `axis_name`."""
   grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
+  argnums = nums - 1 if isinstance(nums, int) else tuple(i - 1 for i in nums)
 
   def attempt(loss_scale, *args, **kwargs):
+    # Replicated params' gradients stay per device, to be summed in
+    # reduce_dtype (inside shard_map, JAX's own sum is in their dtype).
+    args, per_device = distributed.vary_replicated(args, argnums, axis_name)
     (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
     grads = _unscale(loss_scale, grads, grad_dtype)
     if axis_name is not None:
       distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
-      grads = distributed.average_grads(grads, axis_name, reduce_dtype)
+      grads = distributed.average_grads(grads, axis_name, reduce_dtype,
+                                        per_device)
       loss = distributed.average_value(loss, axis_name, reduce_dtype)
     grads_finite = distributed.agree_finite(
         loss_scale_lib.all_finite(grads), axis_name)
@@ -201,13 +206,18 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
-  `axis_name` names the data axes only. Under `pmap` the per-device
-  gradients are `pmean`-ed; inside `shard_map` (with `check_vma=True`) JAX
-  has already summed each gradient over the devices sharing its parameter
-  (replicated, FSDP-sharded or tensor-parallel), so the sum is divided by
-  the number of data-parallel devices: the result is the gradient of the
-  loss averaged over the data axes either way, never averaged across a
-  parameter's shards. The finiteness flag is agreed over every bound axis.
+  `axis_name` names the data axes only. Under `pmap` (and `shard_map`
+  with `check_vma=False`) the per-device gradients are `pmean`-ed in
+  `reduce_dtype`. Inside `shard_map` with `check_vma=True` the
+  differentiated parameters are marked varying over the data axes they are
+  replicated over before `fun` runs, so JAX's AD leaves their gradients per
+  device (it would sum them in their own dtype) and they are summed here in
+  `reduce_dtype`; over a data axis a parameter is sharded over (FSDP),
+  JAX's AD sums (the reduce-scatter of the `all_gather`, in the gradient's
+  dtype). The sum is divided by the number of data-parallel devices: the
+  result is the gradient of the loss averaged over the data axes in every
+  mode, never averaged across a parameter's shards. The finiteness flag is
+  agreed over every bound axis.
 
   With `max_retries=N > 0`, a non-finite step is redone in the same call:
   the scale backs off (`loss_scale.adjust(False)`) and the forward and
@@ -240,11 +250,12 @@ def scaled_value_and_grad(
       agreed over every axis. None for one device, or for plain `jit` over
       sharded arrays, where reductions are global. Naming a model axis
       inside `shard_map` raises a `ValueError` saying what to pass.
-    reduce_dtype: dtype the helper's cross-device mean is computed in
-      (float32 by default, so a sum of half gradients cannot overflow;
-      inside `shard_map` JAX's own sum runs in the gradient's dtype and
-      only the division uses it); pass
+    reduce_dtype: dtype the gradients are summed and averaged across
+      devices in (float32 by default, so a sum of half gradients neither
+      overflows nor loses bits; `jnp.bfloat16` halves the traffic); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
+      An FSDP reduce-scatter that JAX derives from an `all_gather` in `fun`
+      runs in the gradient's dtype.
     grad_dtype: dtype to return the real floating gradients in; None keeps
       each leaf's own dtype. float32 keeps tiny unscaled gradients of
       float16 params from underflowing (see `master_weights`).
