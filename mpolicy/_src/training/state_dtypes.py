@@ -138,6 +138,7 @@ def with_state_dtypes(
     *,
     rounding: str = "nearest",
     seed: int = 0,
+    vary_over: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Stores `transform`'s floating state in chosen dtypes, computes in float32.
 
@@ -170,14 +171,21 @@ def with_state_dtypes(
       from `seed` and the update counter kept in the state, so a resumed run
       draws the same bits).
     seed: the seed of the stochastic rounding's keys.
+    vary_over: with `rounding="stochastic"` under `shard_map` with
+      `check_vma=False` (or `pmap`), the mesh axes the state is sharded
+      over (see `stochastic_round`). With `check_vma=True` sharded state
+      rounds independently per device and replicated state identically
+      without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `StateDtypesState`.
 
   Raises:
-    ValueError: `rounding` is not one of "nearest", "stochastic"; or (from
-      `init`) a field named in `dtypes` is not in the state.
-    TypeError: `dtypes` is not a floating dtype, a mapping or a function.
+    ValueError: `rounding` is not one of "nearest", "stochastic"; or
+      `vary_over` is given with `rounding="nearest"`; or (from `init`) a
+      field named in `dtypes` is not in the state.
+    TypeError: `dtypes` is not a floating dtype, a mapping or a function;
+      or `vary_over` is not an axis name or a tuple of them.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = with_state_dtypes(optax.adam(1e-3), {"mu": jnp.bfloat16})
@@ -191,6 +199,12 @@ def with_state_dtypes(
   if rounding not in _ROUNDINGS:
     raise ValueError(f"with_state_dtypes: rounding must be one of "
                      f"{_ROUNDINGS}, got {rounding!r}.")
+  stochastic_rounding.check_vary_over(vary_over, "with_state_dtypes")
+  if vary_over is not None and rounding != "stochastic":
+    raise ValueError(
+        f"with_state_dtypes: vary_over={vary_over!r} applies to stochastic "
+        f"rounding only, but rounding={rounding!r}; pass "
+        "rounding='stochastic', or drop vary_over.")
   choose, required = _choice(dtypes)
   inner = optax.with_extra_args_support(transform)
 
@@ -209,7 +223,8 @@ def with_state_dtypes(
     for new, old, key in zip(new_leaves, old_leaves, keys):
       if dtypes_lib.dtype_of(old) in stochastic_rounding.TARGETS:
         out.append(stochastic_rounding.stochastic_round(
-            jnp.asarray(new).astype(jnp.float32), old.dtype, key))
+            jnp.asarray(new).astype(jnp.float32), old.dtype, key,
+            vary_over=vary_over))
       else:
         out.append(_write_nearest(new, old))
     return treedef.unflatten(out)
