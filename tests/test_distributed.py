@@ -157,6 +157,33 @@ def fsdp_loss_f(p, x, y, f):
   return mpolicy.amp(inner, POLICY)(full, x, y, f)
 guard("skip_fsdp_make_step", skip_fsdp_make_step)
 
+# --- Accumulation: skip_nonfinite(optax.MultiSteps(...)), FSDP, one bad device --
+def multisteps_fsdp():
+  tx = mpolicy.skip_nonfinite(optax.MultiSteps(optax.sgd(0.5), 2))
+  g = mpolicy.scaled_value_and_grad(fsdp_loss_f, axis_name="d")
+  s0 = tx.init(params)
+  sspec = jax.tree.map(lambda _: P(), s0)
+  sspec = sspec._replace(inner_state=sspec.inner_state._replace(acc_grads=FS))
+  def body(p, s, ls, x, y, f):
+    ls, finite, _, gr = g(ls, p, x, y, f)
+    u, s = tx.update(gr, s, p, grads_finite=finite)
+    return optax.apply_updates(p, u), s, ls
+  fn = smap(body, mesh1, (FS, sspec, P(), P("d"), P("d"), P("d")), (FS, sspec, P()))
+  bad = jnp.ones(8).at[3].set(jnp.nan)     # device 3's shard only
+  p1, s1, ls1 = fn(params, s0, LS, x, y, jnp.ones(8))
+  p2, s2, ls2 = fn(p1, s1, ls1, x, y, bad)
+  p3, s3, _ = fn(p2, s2, ls2, x[::-1], y[::-1], jnp.ones(8))
+  same = lambda a, b: all(bool(jnp.array_equal(u, v)) for u, v in
+                          zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  one = mpolicy.scaled_value_and_grad(loss)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, one(LS, params, x, y)[3],
+                      one(LS, params, x[::-1], y[::-1])[3])
+  want = jax.tree.map(lambda w, d: w - 0.5 * d, params, mean)
+  return {"bad_kept_state": same(s2.inner_state, s1.inner_state) and same(p2, params),
+          "total_notfinite": int(s2.total_notfinite), "loss_scale": float(ls2.loss_scale),
+          "gradient_step": int(s3.inner_state.gradient_step), "relerr": relerr(p3, want)}
+guard("multisteps_fsdp", multisteps_fsdp)
+
 # --- BatchNorm-style state under shard_map(out_specs=P()) ----------------------
 def bn_state():
   def loss_fn(p, state, x, y):
@@ -310,6 +337,13 @@ def test_make_train_step_fsdp_skips_on_all_devices(facts):
   got = _ok(facts, "skip_fsdp_make_step")
   assert got == {"finite": False, "params_kept": True,
                  "loss_scale": 2. ** 14}, got
+
+
+def test_multisteps_drops_one_device_s_bad_mini_batch_on_every_device(facts):
+  got = _ok(facts, "multisteps_fsdp")
+  assert got["bad_kept_state"] and got["total_notfinite"] == 1, got
+  assert got["loss_scale"] == 2. ** 14 and got["gradient_step"] == 1, got
+  assert got["relerr"] < TOL, got  # sgd on the mean of the two good ones
 
 
 def test_batchnorm_state_is_averaged_over_the_data_axis(facts):

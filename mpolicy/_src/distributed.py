@@ -231,6 +231,15 @@ def agree_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
   """
   if not data_axes(axis_name):
     return finite
+  return agree_everywhere(finite)
+
+
+def agree_everywhere(finite: jax.Array) -> jax.Array:
+  """`finite` made the same on every device: True only where it is True on
+  all devices along the bound axes it may differ across (with varying-axes
+  types, the axes it varies over: none for a replicated value, so no
+  collective; else every bound axis). Unchanged outside `pmap` and
+  `shard_map`."""
   if jax_compat.check_vma_enabled() and jax_compat.manual_axes():
     # Typed: reduce over the axes the flag varies over, plus any non-manual
     # (pmap) axes bound around it.
