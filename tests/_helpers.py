@@ -63,6 +63,24 @@ def facts_on_eight_devices(script: str) -> dict:
   return json.loads(line[len("FACTS="):])
 
 
+def record(facts: dict, name: str, fn) -> None:
+  """In an ``eight_devices`` script: ``facts[name] = fn()``, or the
+  exception it raised as ``{"error": ...}``, so that one defect does not
+  hide the others."""
+  try:
+    facts[name] = fn()
+  except Exception as e:  # pylint: disable=broad-except
+    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def fact(facts: dict, name: str):
+  """The fact ``name`` of an ``eight_devices`` script that records a case's
+  exception as ``{"error": ...}``; fails the test with that error."""
+  value = facts[name]
+  assert not (isinstance(value, dict) and "error" in value), value
+  return value
+
+
 def multiplies_in(eqn) -> tuple:
   """The dtypes an equation's operands are multiplied in.
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from _helpers import fact
+
 
 EIGHT_DEVICES = r'''
 import json, re
@@ -27,13 +29,9 @@ import os
 
 N = jax.device_count()
 assert N == 8, N
+from _helpers import record
 facts = {}
-
-def guard(name, fn):
-  try:
-    facts[name] = fn()
-  except Exception as e:  # recorded, so one defect does not hide the others
-    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+guard = lambda name, fn: record(facts, name, fn)
 
 def relerr(a, b):
   a = jax.tree_util.tree_leaves(a); b = jax.tree_util.tree_leaves(b)
@@ -299,16 +297,10 @@ def facts(eight_devices):
   return eight_devices
 
 
-def _ok(facts, name):
-  value = facts[name]
-  assert "error" not in value, value
-  return value
-
-
 @pytest.mark.parametrize("mode", ["pmap", "replicated_vma", "replicated_novma",
                                   "fsdp", "tp_data"])
 def test_gradients_are_the_one_device_gradients(facts, mode):
-  got = _ok(facts, mode)
+  got = fact(facts, mode)
   assert got["relerr"] < TOL, got
   assert abs(got["loss"] - facts["one_device_loss"]) < 1e-3, got
 
@@ -326,7 +318,7 @@ def test_check_vma_off_with_a_model_axis_is_refused(facts):
 
 
 def test_nan_on_one_device_skips_everywhere_with_sharded_params(facts):
-  got = _ok(facts, "skip_2d")
+  got = fact(facts, "skip_2d")
   assert got["flags"] == [False] * 8, got          # agreed over data & model
   assert got["params_kept"] and got["count"] == 0, got
   assert got["loss_scale"] == 2. ** 14, got
@@ -334,25 +326,25 @@ def test_nan_on_one_device_skips_everywhere_with_sharded_params(facts):
 
 
 def test_make_train_step_fsdp_skips_on_all_devices(facts):
-  got = _ok(facts, "skip_fsdp_make_step")
+  got = fact(facts, "skip_fsdp_make_step")
   assert got == {"finite": False, "params_kept": True,
                  "loss_scale": 2. ** 14}, got
 
 
 def test_multisteps_drops_one_device_s_bad_mini_batch_on_every_device(facts):
-  got = _ok(facts, "multisteps_fsdp")
+  got = fact(facts, "multisteps_fsdp")
   assert got["bad_kept_state"] and got["total_notfinite"] == 1, got
   assert got["loss_scale"] == 2. ** 14 and got["gradient_step"] == 1, got
   assert got["relerr"] < TOL, got  # sgd on the mean of the two good ones
 
 
 def test_batchnorm_state_is_averaged_over_the_data_axis(facts):
-  got = _ok(facts, "bn_state")
+  got = fact(facts, "bn_state")
   assert got["mean_err"] < 1e-6 and got["count"] == 1, got
 
 
 def test_grad_through_amp_under_explicit_sharding(facts):
-  got = _ok(facts, "explicit")
+  got = fact(facts, "explicit")
   assert got["bf16_relerr"] < TOL, got
   assert got["bf16_replicated"], got  # the parameter's own sharding
   assert got["f8_relerr"] < 0.1, got
@@ -367,7 +359,7 @@ AR_F32, AR_BF16 = [["all_reduce", "f32"]], [["all_reduce", "bf16"]]
 @pytest.mark.parametrize("mode", ["shard_map_vma", "shard_map_novma", "pmap"])
 def test_the_gradient_sum_runs_in_reduce_dtype_in_the_lowered_program(
     facts, mode):
-  got = _ok(facts, "reduce")
+  got = fact(facts, "reduce")
   assert got[f"{mode}_bf16_default"] == AR_F32, got   # float32 by default
   assert got[f"{mode}_f32_default"] == AR_F32, got
   assert got[f"{mode}_bf16_asked_bf16"] == AR_BF16, got
@@ -376,16 +368,16 @@ def test_the_gradient_sum_runs_in_reduce_dtype_in_the_lowered_program(
 
 
 def test_make_train_step_sums_bf16_gradients_in_float32(facts):
-  assert _ok(facts, "reduce")["make_train_step_bf16"] == AR_F32
+  assert fact(facts, "reduce")["make_train_step_bf16"] == AR_F32
 
 
 def test_fsdp_reduce_scatter_is_jax_s_in_the_gradient_dtype(facts):
   # The transpose of the user's all_gather: documented, not mpolicy's.
-  assert _ok(facts, "reduce")["fsdp_bf16"] == [["reduce_scatter", "bf16"]]
+  assert fact(facts, "reduce")["fsdp_bf16"] == [["reduce_scatter", "bf16"]]
 
 
 def test_jit_named_sharding_sum_is_the_partitioner_s(facts):
-  got = _ok(facts, "reduce")
+  got = fact(facts, "reduce")
   # GSPMD sums the weight-gradient dot's output, which on CPU is the float32
   # accumulator even for bf16 parameters (compiled HLO: no lowered sum).
   assert got["jit_f32"] == AR_F32 and got["jit_bf16"] == AR_F32, got
@@ -393,5 +385,5 @@ def test_jit_named_sharding_sum_is_the_partitioner_s(facts):
 
 @pytest.mark.parametrize("mode", ["bf16_vma", "bf16_novma"])
 def test_bf16_params_get_the_one_device_gradients_in_bf16(facts, mode):
-  got = _ok(facts, mode)
+  got = fact(facts, mode)
   assert got["relerr"] < 1e-2 and got["dtypes"] == ["bfloat16"], got

@@ -62,14 +62,19 @@ def data_axes(axis_name: Any) -> tuple:
   return (axis_name,)
 
 
-def _check_bound(axes: tuple, where: str) -> None:
+def unbound_axes(axes: tuple) -> tuple[list, list]:
+  """`(the axes no enclosing pmap or shard_map binds, the bound names)`."""
   bound = jax_compat.bound_axis_names()
-  missing = [a for a in axes if a not in bound]
+  return [a for a in axes if a not in bound], sorted(map(str, bound))
+
+
+def _check_bound(axes: tuple, where: str) -> None:
+  missing, bound = unbound_axes(axes)
   if missing:
     raise ValueError(
         f"{where}: axis_name={axes if len(axes) != 1 else axes[0]!r} names "
         f"{missing!r}, which no enclosing pmap or shard_map binds (bound "
-        f"here: {sorted(map(str, bound))}). Pass the axes the batch is "
+        f"here: {bound}). Pass the axes the batch is "
         "split over, and call the step inside the pmap / shard_map; under "
         "plain jax.jit with sharded arrays pass axis_name=None.")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from _helpers import fact
+
 EIGHT_DEVICES = r'''
 import json
 import jax
@@ -22,12 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpolicy
 
+from _helpers import record
 facts = {}
-def guard(name, fn):
-  try:
-    facts[name] = fn()
-  except Exception as e:  # recorded, so one defect does not hide the others
-    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+guard = lambda name, fn: record(facts, name, fn)
 
 N = 2048                      # elements per shard
 HALF = 1 + 2.0 ** -8          # halfway between bfloat16 1 and 1 + 2**-7
@@ -134,17 +133,6 @@ print("FACTS=" + json.dumps(facts))
 INDEPENDENT = (0.44, 0.56)  # 2048 fair coins: 0.5 +- 2.7 standard deviations
 
 
-@pytest.fixture
-def facts(eight_devices):
-  return eight_devices
-
-
-def _ok(facts, name):
-  value = facts[name]
-  assert "error" not in value, value
-  return value
-
-
 def _independent(agreements):
   return all(INDEPENDENT[0] < a < INDEPENDENT[1] for a in agreements)
 
@@ -152,33 +140,33 @@ def _independent(agreements):
 @pytest.mark.parametrize("case", [
     "sharded_vma", "sharded_novma_named", "pmap_named", "params_fsdp_vma",
     "params_fsdp_novma_named", "state_fsdp_vma", "train_step_fsdp"])
-def test_shards_round_independently(facts, case):
-  got = _ok(facts, case)
+def test_shards_round_independently(eight_devices, case):
+  got = fact(eight_devices, case)
   assert _independent(got), got
 
 
-def test_replicated_values_round_identically_on_every_device(facts):
-  assert _ok(facts, "replicated_vma") == [1.0] * 7
+def test_replicated_values_round_identically_on_every_device(eight_devices):
+  assert fact(eight_devices, "replicated_vma") == [1.0] * 7
 
 
-def test_without_types_or_vary_over_every_shard_draws_the_same_bits(facts):
+def test_without_types_or_vary_over_every_shard_draws_the_same_bits(eight_devices):
   # Documented: with check_vma=False, name the sharded axes (vary_over).
-  assert _ok(facts, "sharded_novma") == [1.0] * 7
+  assert fact(eight_devices, "sharded_novma") == [1.0] * 7
 
 
-def test_two_d_mesh_independent_across_model_identical_across_data(facts):
-  got = _ok(facts, "two_d")
+def test_two_d_mesh_independent_across_model_identical_across_data(eight_devices):
+  got = fact(eight_devices, "two_d")
   assert got["replicas_equal"], got
   assert INDEPENDENT[0] < got["model_agreement"] < INDEPENDENT[1], got
 
 
-def test_jit_named_sharding_is_independent_per_shard_already(facts):
-  got = _ok(facts, "jit")
+def test_jit_named_sharding_is_independent_per_shard_already(eight_devices):
+  got = fact(eight_devices, "jit")
   assert got["same_as_one_device"] and "d" in got["sharded"], got
   assert _independent(got["agreement"]), got
 
 
-def test_make_train_step_replicated_bf16_params_stay_equal(facts):
-  got = _ok(facts, "train_step_replicated")
+def test_make_train_step_replicated_bf16_params_stay_equal(eight_devices):
+  got = fact(eight_devices, "train_step_replicated")
   assert got["agreement"] == [1.0] * 7, got
   assert 0.45 < got["moved"] < 0.55, got  # They did round, half of them up.

@@ -35,6 +35,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import distributed
 from mpolicy._src import jax_compat
 
 TARGETS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -144,12 +145,11 @@ def device_key(key: jax.Array, x: jax.Array, vary_over: Any = None,
   `check_vma=True`) and those named by `vary_over`. Unchanged where there
   are none, so replicated values round alike on every device."""
   named = check_vary_over(vary_over, where)
-  bound = jax_compat.bound_axis_names()
-  missing = [a for a in named if a not in bound]
+  missing, bound = distributed.unbound_axes(named)
   if missing:
     raise ValueError(
         f"{where}: vary_over names {missing!r}, which no enclosing shard_map "
-        f"or pmap binds (bound here: {sorted(map(str, bound))}). Name the "
+        f"or pmap binds (bound here: {bound}). Name the "
         "mesh axes the value is sharded over, inside the shard_map; under "
         "jax.jit with sharded arrays pass nothing (the rounding sees global "
         "indices there).")
