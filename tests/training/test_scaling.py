@@ -57,6 +57,16 @@ def test_argnums_and_has_aux_follow_value_and_grad():
   assert ga.tolist() == [6., 6.] and gc.tolist() == [2., 2.]
 
 
+def test_negative_argnums_count_from_the_last_argument_not_the_loss_scale():
+  loss_fn = lambda a, b: jnp.sum(a * b)
+  a, b = jnp.ones(2), jnp.full(2, 3.)
+  for argnums, want in ((-1, [1., 1.]), ((-2, -1), ([3., 3.], [1., 1.]))):
+    *_, grads = mpolicy.scaled_value_and_grad(loss_fn, argnums=argnums)(
+        DynamicLossScale(4.), a, b)
+    assert jax.tree_util.tree_map(lambda g: g.tolist(), grads) == (
+        want if isinstance(argnums, int) else tuple(want))
+
+
 def test_overflowing_float16_backward_is_flagged_and_scale_backs_off():
   loss_fn = lambda w: jnp.sum((w.astype(jnp.float16) * 1000.) ** 2
                               ).astype(jnp.float32)

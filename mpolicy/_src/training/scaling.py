@@ -120,11 +120,14 @@ def _unscale(loss_scale: LossScale, grads: Any, grad_dtype: Any) -> Any:
       if _trees.is_floating(g) else u, unscaled, grads)
 
 
-def _attempt(scaled_fun, nums, grad_dtype, axis_name, reduce_dtype):
+def _attempt(scaled_fun, argnums, grad_dtype, axis_name, reduce_dtype):
   """`attempt(loss_scale, *args)`: one scaled forward and backward, giving
   `(grads, grads_finite, loss, aux)`, reduced over `axis_name`."""
+  # Positions in (loss_scale, *args): one further on, or the same from the end.
+  shift = lambda i: i + 1 if i >= 0 else i
+  nums = (shift(argnums) if isinstance(argnums, int)
+          else tuple(map(shift, argnums)))
   grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
-  argnums = nums - 1 if isinstance(nums, int) else tuple(i - 1 for i in nums)
 
   def attempt(loss_scale, *args, **kwargs):
     # Replicated params' gradients stay per device, to be summed in
@@ -287,9 +290,7 @@ def scaled_value_and_grad(
   `DynamicLossScale`.
   """
   max_retries = _check_max_retries(max_retries)
-  nums = (argnums + 1 if isinstance(argnums, int)
-          else tuple(i + 1 for i in argnums))
-  attempt = _attempt(_scaled_loss(fun, has_aux), nums, grad_dtype, axis_name,
+  attempt = _attempt(_scaled_loss(fun, has_aux), argnums, grad_dtype, axis_name,
                      reduce_dtype)
 
   def g(loss_scale: LossScale, *args, **kwargs):
