@@ -15,6 +15,7 @@ import pytest
 
 import mpolicy
 from mpolicy._src import checkpoint
+from mpolicy._src import checkpoint_leaves
 from mpolicy._src import loss_scale as ls_lib
 
 from _helpers import poison
@@ -24,7 +25,7 @@ from _helpers import same_bits
 def _key_bits(tree):
   """`tree` with typed PRNG keys as their raw data, for `same_bits`."""
   return jax.tree_util.tree_map(
-      lambda x: jax.random.key_data(x) if checkpoint._is_key(x) else x, tree)
+      lambda x: jax.random.key_data(x) if checkpoint_leaves.is_key(x) else x, tree)
 
 
 def _every_kind():
@@ -169,6 +170,7 @@ _RACER = r"""
 import glob, sys, time
 import jax.numpy as jnp
 from mpolicy._src import checkpoint
+from mpolicy._src import checkpoint_leaves
 i, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tree = {"w": jnp.full((4096,), i, jnp.bfloat16), "i": jnp.int32(i)}
 open(f"{path}.ready{i}", "w").close()
