@@ -119,6 +119,11 @@ def across_processes(reference_path, path):
   facts["resumed"] = digest(train(back, 2)) == digest(train(state, 2))
   facts["replicated"] = summary(mpolicy.restore_checkpoint(
       path, abstract("replicated")))
+  manager = mpolicy.CheckpointManager(path + "_steps", max_to_keep=2)
+  for step in (1, 2, 3):
+    manager.save(step, dict(state, step=step))
+  facts["manager"] = {"steps": manager.all_steps(),
+                      "latest": manager.restore(fresh())["step"]}
   facts["errors"] = errors(path, state)
   facts["after_errors"] = summary(mpolicy.restore_checkpoint(path, fresh()))
   return facts

@@ -69,6 +69,11 @@ def test_one_process_with_fewer_devices_restores_two_processes(two, fewer):
   assert set(got["abstract"]["specs"].values()) == {"()"}
 
 
+def test_a_checkpoint_manager_keeps_the_last_steps_across_processes(two):
+  for facts in two:
+    assert facts["checkpoint"]["manager"] == {"steps": [2, 3], "latest": 3}
+
+
 def _errors(two):
   return [facts["checkpoint"]["errors"] for facts in two]
 
