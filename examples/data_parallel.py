@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 _COUNT = "--xla_force_host_platform_device_count"
 _ASKED = _COUNT[2:] in os.environ.get("XLA_FLAGS", "")  # Devices named.
@@ -182,9 +183,18 @@ def launch_processes(n: int) -> None:
     sys.exit(f"data_parallel: the processes exited with {codes}")
 
 
+def exit_at_once(*error) -> None:
+  """An error ends this process now: jax.distributed's exit handler would
+  wait for the other processes, which may be waiting for this one."""
+  traceback.print_exception(*error)
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
+
+
 def join() -> None:
   """Joins the other processes, if any (before JAX's first computation)."""
   if FLAGS.process_id is not None:  # Started by --num_processes.
+    sys.excepthook = exit_at_once
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)

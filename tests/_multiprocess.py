@@ -37,7 +37,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _PRELUDE = r"""
-import json as _json, os as _os, sys as _sys
+import json as _json, os as _os, sys as _sys, traceback as _traceback
+
+def _exit_now(*error):
+  # An error ends this process at once: jax.distributed's exit handler
+  # would wait for the other processes, which may wait for this one.
+  _traceback.print_exception(*error)
+  _sys.stderr.flush()
+  _os._exit(1)
+
+_sys.excepthook = _exit_now
 PROCESS = int(_os.environ["MPOLICY_MP_PROCESS"])
 NUM_PROCESSES = int(_os.environ["MPOLICY_MP_NUM_PROCESSES"])
 ARGS = _json.loads(_os.environ["MPOLICY_MP_ARGS"])
