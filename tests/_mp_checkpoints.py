@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mpolicy
+from _helpers import damage_arrays
 from _mp_training import digest, init_params, mesh, place, put, whole, data
 from _mp_training import loss_fn, POLICY
 
@@ -149,11 +150,7 @@ def errors(path, state):
   damaged = path + "_damaged"
   if me == 0:
     shutil.copytree(path, damaged)
-    for root, _, names in os.walk(os.path.join(damaged, "state")):
-      for name in names:
-        if os.sep + "d" in root:
-          with open(os.path.join(root, name), "r+b") as f:
-            f.truncate(os.path.getsize(f.name) // 2)
+    damage_arrays(damaged)
   sync("damaged")
   out["damaged"] = outcome(lambda: mpolicy.restore_checkpoint(damaged,
                                                               fresh()))

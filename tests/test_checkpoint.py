@@ -244,19 +244,16 @@ def test_a_damaged_checkpoint_raises_value_error(tmp_path, damage):
 
 
 _DAMAGED_READS = r"""
-import os, sys, tempfile
+import os, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from mpolicy._src import checkpoint
+from _helpers import damage_arrays
 tree = {"w": jnp.arange(1000.), "v": jnp.ones(5000), "k": jax.random.key(0),
         "n": np.ones(3), "s": jnp.int32(3)}
 for i in range(6):
   path = os.path.join(tempfile.mkdtemp(), "ckpt")
   checkpoint.save_checkpoint(path, tree)
-  for root, _, names in os.walk(os.path.join(path, "state")):
-    for name in names:
-      if os.sep + "d" in root:
-        with open(os.path.join(root, name), "r+b") as f:
-          f.truncate(os.path.getsize(f.name) // 2)
+  damage_arrays(path)
   try:
     checkpoint.restore_checkpoint(path, tree)
   except ValueError as e:
@@ -269,7 +266,8 @@ def test_a_damaged_checkpoint_leaves_nothing_to_print_at_exit():
   # reads in flight, the tasks whose errors nobody read and the coroutines
   # never awaited used to print tracebacks, often at interpreter exit.
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "tests")]))
   proc = subprocess.run([sys.executable, "-c", _DAMAGED_READS], env=env,
                         cwd=repo, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr

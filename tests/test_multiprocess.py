@@ -87,22 +87,14 @@ def _distinct(rows):
 
 
 @pytest.mark.slow
-def test_stochastic_rounding_under_jit_draws_bits_per_shard(one_more,
-                                                            two_more):
-  got = two_more[0]["stochastic_rounding"]["jit"]
-  assert _distinct(got) == 4, "shards on different devices rounded alike"
-  assert got == one_more["stochastic_rounding"]["jit"]
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "stochastic_round inside shard_map hashes each shard's local indices, "
-    "so every shard draws the same bits"))
-def test_stochastic_rounding_in_shard_map_draws_bits_per_shard(one_more,
-                                                               two_more):
-  got = two_more[0]["stochastic_rounding"]["shard_map"]
+@pytest.mark.parametrize("where", ["jit", pytest.param(
+    "shard_map", marks=pytest.mark.xfail(strict=True, reason=(
+        "stochastic_round inside shard_map hashes each shard's local "
+        "indices, so every shard draws the same bits")))])
+def test_stochastic_rounding_draws_bits_per_shard(one_more, two_more, where):
+  got = two_more[0]["stochastic_rounding"][where]
   assert _distinct(got) == 4, "shards on different processes rounded alike"
-  assert got == one_more["stochastic_rounding"]["shard_map"]
+  assert got == one_more["stochastic_rounding"][where]
 
 
 @pytest.mark.slow
