@@ -61,21 +61,21 @@ def test_nothing_saved_yet_is_named(tmp_path):
     manager.restore(_tree(0), step=3)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"max_to_keep": 0}, "max_to_keep must be a whole number >= 1"),
-    ({"max_to_keep": "3"}, "max_to_keep must be a whole number >= 1"),
-    ({"max_to_keep": True}, "max_to_keep must be a whole number >= 1"),
-])
-def test_bad_settings_are_named(tmp_path, kwargs, words):
-  with pytest.raises(TypeError, match=words):
-    mpolicy.CheckpointManager(tmp_path, **kwargs)
+@pytest.mark.parametrize("max_to_keep, error", [
+    (0, ValueError), (-2, ValueError), ("3", TypeError), (True, TypeError),
+    (2.0, TypeError)])
+def test_bad_settings_are_named(tmp_path, max_to_keep, error):
+  with pytest.raises(error, match="max_to_keep must be a whole number >= 1, "
+                     "or None to keep every step; got"):
+    mpolicy.CheckpointManager(tmp_path, max_to_keep=max_to_keep)
   with pytest.raises(TypeError, match="directory must be a path"):
     mpolicy.CheckpointManager(None)
 
 
-@pytest.mark.parametrize("step", [-1, 1.5, "7", True])
-def test_a_bad_step_is_named(tmp_path, step):
+@pytest.mark.parametrize("step, error", [
+    (-1, ValueError), (1.5, TypeError), ("7", TypeError), (True, TypeError)])
+def test_a_bad_step_is_named(tmp_path, step, error):
   manager = mpolicy.CheckpointManager(tmp_path)
-  with pytest.raises(TypeError, match=r"step must be a whole number >= 0"):
+  with pytest.raises(error, match=r"step must be a whole number >= 0; got"):
     manager.save(step, _tree(0))
   assert os.listdir(tmp_path) == []

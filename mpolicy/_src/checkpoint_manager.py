@@ -22,12 +22,16 @@ from mpolicy._src import processes as processes_lib
 _STEP = re.compile(r"step_(\d+)")
 
 
-def _step_arg(step: Any, what: str) -> int:
-  if (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-      or step < 0):
-    raise TypeError(f"{what}: step must be a whole number >= 0 (the "
-                    f"training step), got {step!r}.")
-  return int(step)
+def _whole(value: Any, least: int, what: str) -> int:
+  """`value` as an int >= `least`; `what` names it in the error."""
+  error = (f"{what} must be a whole number >= {least}"
+           + (", or None to keep every step" if "max_to_keep" in what
+              else "") + f"; got {value!r}.")
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(error)
+  if value < least:
+    raise ValueError(error)
+  return int(value)
 
 
 class CheckpointManager:
@@ -47,7 +51,8 @@ class CheckpointManager:
 
   Raises:
     TypeError: `directory` is not a path, or `max_to_keep` is neither a
-      whole number >= 1 nor None.
+      whole number nor None.
+    ValueError: `max_to_keep` is below 1.
 
   >>> import tempfile, jax.numpy as jnp, mpolicy
   >>> manager = mpolicy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -66,18 +71,15 @@ class CheckpointManager:
     if not isinstance(directory, (str, os.PathLike)):
       raise TypeError("CheckpointManager: directory must be a path (a str or "
                       f"an os.PathLike), got {type(directory).__name__}.")
-    if max_to_keep is not None and (
-        isinstance(max_to_keep, bool)
-        or not isinstance(max_to_keep, numbers.Integral) or max_to_keep < 1):
-      raise TypeError("CheckpointManager: max_to_keep must be a whole number "
-                      f">= 1, or None to keep every step; got {max_to_keep!r}.")
+    if max_to_keep is not None:
+      max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep")
     self.directory = os.path.abspath(os.fspath(directory))
     self.max_to_keep = max_to_keep
 
   def path(self, step: int) -> str:
     """The directory of `step`'s checkpoint."""
-    return os.path.join(self.directory,
-                        f"step_{_step_arg(step, 'CheckpointManager.path')}")
+    step = _whole(step, 0, "CheckpointManager: step")
+    return os.path.join(self.directory, f"step_{step}")
 
   def all_steps(self) -> list[int]:
     """The steps with a complete checkpoint, oldest first."""
@@ -95,7 +97,8 @@ class CheckpointManager:
     """Saves `tree` as `step`'s checkpoint; keeps the newest `max_to_keep`.
 
     Raises what `save_checkpoint` raises (`FileExistsError` where `step`
-    was saved before and `overwrite` is False).
+    was saved before and `overwrite` is False), and a `TypeError` or
+    `ValueError` where `step` is not a whole number >= 0.
     """
     checkpoint.save_checkpoint(self.path(step), tree, overwrite=overwrite)
     if self.max_to_keep is None:
