@@ -169,16 +169,19 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
     meta = {"format": _FORMAT, "version": _VERSION, "leaves": described,
             "host_values": {k: v for k, v in kinds.items() if v},
             "loss_scales": _settings(tree)}
-    whole = ({k: leaves_lib.digest(v) for k, v in flat.items()
-              if leaves_lib.held_whole(v)} if group.count > 1 else {})
-    shared = {"path": dest, "whole": whole, "leaves": [
-        zlib.crc32(json.dumps([k, d]).encode()) for k, d in described.items()]}
+    shared = {"path": dest, "whole": {}, "leaves": []}
+    if group.count > 1:  # What the processes compare.
+      shared["whole"] = {k: leaves_lib.digest(v) for k, v in flat.items()
+                         if leaves_lib.held_whole(v)}
+      shared["leaves"] = [zlib.crc32(json.dumps([k, d]).encode())
+                          for k, d in described.items()]
     if group.primary:
       made.append(files.make_scratch(dest, overwrite, what))
       shared["scratch"] = made[0]
     return (dest, flat, meta), shared
 
-  def check(flat, scratch):
+  def check(flat, shared):
+    scratch = shared[0]["scratch"]
     _agree(shared, list(flat), what)
     if not os.path.isdir(scratch):
       raise OSError(f"{what}: process {group.index} does not see {scratch}, "
@@ -193,15 +196,15 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
   try:
     (dest, flat, meta), shared = group.step(prepare)
     scratch = shared[0]["scratch"]
-    flat, _ = group.step(lambda: check(flat, scratch))
+    flat, _ = group.step(lambda: check(flat, shared))
     staged = os.path.join(scratch, "checkpoint")
     files.write(staged, flat, meta, group)
     group.step(lambda: (files.move_into_place(
         staged, dest, scratch, overwrite, what) if group.primary else None,
                         None))
   finally:
-    for scratch in made:
-      shutil.rmtree(scratch, ignore_errors=True)
+    for made_here in made:
+      shutil.rmtree(made_here, ignore_errors=True)
 
 
 def _problems(meta: dict, flat: dict, described: dict,
