@@ -81,10 +81,12 @@ from mpolicy._src.training.half_params import StochasticParamsState
 
 from mpolicy._src.checkpoint import restore_checkpoint
 from mpolicy._src.checkpoint import save_checkpoint
+from mpolicy._src.checkpoint_manager import CheckpointManager
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "CheckpointManager",
     "DEFAULT_RULES",
     "DynamicLossScale",
     "HaikuPolicyWarning",

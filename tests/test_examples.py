@@ -327,3 +327,35 @@ def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
   mode = flag.lstrip("-") or "jit"
   assert f"{mode} on 8 devices: final loss" in out, out
   assert "one device:" in out and "max |param difference|" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["", "--fsdp", "--shard_map"])
+def test_data_parallel_runs_in_two_processes(tmp_path, flag):
+  # The script starts itself twice (4 devices each), joined over localhost;
+  # the whole process group is killed if it runs too long.
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(EXAMPLES, "data_parallel.py"),
+       "--steps=3", "--batch_size=16", "--num_processes=2",
+       *([flag] if flag else [])], cwd=tmp_path, env=env, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, 9)
+      proc.wait()
+  assert_ok(proc.returncode, out, err)
+  mode = flag.lstrip("-") or "jit"
+  assert f"{mode} on 8 devices in 2 processes: final loss" in out, out
+  assert out.count("final loss") == 1, out  # Process 0 reports.
+  # The same figures as one process with 8 devices.
+  rc, one_out, one_err = run_example("data_parallel", "--steps=3",
+                                     "--batch_size=16",
+                                     *([flag] if flag else []), cwd=tmp_path)
+  assert_ok(rc, one_out, one_err)
+  figures = lambda text: re.findall(r"\d+\.\d+(?:e[-+]\d+)?", text)
+  assert figures(out) == figures(one_out), (out, one_out)

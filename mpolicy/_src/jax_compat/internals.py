@@ -1,4 +1,5 @@
-"""JAX internals: every import of `jax._src` and `jax.extend` in mpolicy.
+"""JAX internals: every import of `jax._src` and `jax.extend` in mpolicy
+but the distributed client's (`processes.py`).
 
 Small, version-independent helpers over name stacks, jaxprs and
 primitives. Nothing here knows about policies.
