@@ -191,11 +191,13 @@ def fp8():
 
 
 def stochastic_rounding():
-  """Rounding a value a quarter of a bfloat16 step above 1: sharded over
-  devices of both processes (each shard must draw its own bits), and
-  replicated (every device must draw the same)."""
+  """Rounding a value half a bfloat16 step above 1 (up or down with
+  probability 1/2, so two shards of 64 values agree by chance with
+  probability 2**-64): sharded over devices of both processes (each shard
+  must draw its own bits), and replicated (every device must draw the
+  same)."""
   n = len(jax.devices())
-  x = np.full((n * 16,), 1 + 2. ** -10, np.float32)
+  x = np.full((n * 64,), 1 + 2. ** -8, np.float32)
   key = jax.random.PRNGKey(5)
   sr = lambda x, k: mpolicy.stochastic_round(x, jnp.bfloat16, k)
   jitted = whole(jax.jit(sr)(put(x, P("data")), key))
@@ -204,7 +206,7 @@ def stochastic_rounding():
   in_shards = whole(mapped(put(x, P("data")), key))
   each = jax.jit(jax.shard_map(lambda x, k: sr(x, k)[None], mesh=mesh(),
                                in_specs=(P(), P()), out_specs=P("data")))
-  replicated = whole(each(put(x[:16], P()), key))
+  replicated = whole(each(put(x[:64], P()), key))
   as_bits = lambda a: a.astype(np.float32).reshape(n, -1).tolist()
   return {"jit": as_bits(jitted), "shard_map": as_bits(in_shards),
           "replicated": as_bits(replicated)}

@@ -87,10 +87,7 @@ def _distinct(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["jit", pytest.param(
-    "shard_map", marks=pytest.mark.xfail(strict=True, reason=(
-        "stochastic_round inside shard_map hashes each shard's local "
-        "indices, so every shard draws the same bits")))])
+@pytest.mark.parametrize("where", ["jit", "shard_map"])
 def test_stochastic_rounding_draws_bits_per_shard(one_more, two_more, where):
   got = two_more[0]["stochastic_rounding"][where]
   assert _distinct(got) == 4, "shards on different processes rounded alike"
