@@ -3,7 +3,9 @@
 A framework's bridge is loaded only when the user has already imported the
 framework (it is in `sys.modules`), so mpolicy itself never imports an
 optional framework: a program that never imports Flax never loads the Flax
-bridge. Haiku is not listed: `transform_amp` installs its own hooks.
+bridge. The Haiku bridge's hook serves a plain ``hk.transform`` traced by
+`amp` (``amp(hk.transform(f).apply)``); inside `transform_amp` its own hooks
+apply and the `amp` hook stands aside.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 # Framework module -> the mpolicy module that bridges it (which has a
 # `module_policies()` context manager).
 BRIDGES = {
+    "haiku": "mpolicy._src.haiku_bridge",
     "flax.linen": "mpolicy._src.flax_bridge",
     "flax.nnx": "mpolicy._src.nnx_bridge",
 }
