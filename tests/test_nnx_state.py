@@ -205,3 +205,24 @@ def test_a_returned_argument_is_the_same_object_and_new_variables_stay():
     assert wrap(grow)(model) is model
     assert model.extra[...].dtype == jnp.bfloat16  # Not the output dtype.
     np.testing.assert_array_equal(model.extra[...], [3., 3.])
+
+
+def test_split_state_is_data_inside_jax_grad():
+  # The documented split/merge form: the state goes in and comes out as
+  # values, also where a loss closes over it inside jax.grad.
+  model = Net(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def forward(params, rest, x):
+    m = nnx.merge(graphdef, params, rest)
+    return m(x), nnx.state(m, nnx.BatchStat)
+
+  f = mpolicy.amp(forward, POLICY)
+  grads, stats = jax.jit(jax.grad(
+      lambda p: (lambda y, s: (jnp.sum(y ** 2), s))(*f(p, rest, _x())),
+      has_aux=True))(params)
+  kernel = grads["linear"]["kernel"][...]
+  assert kernel.dtype == jnp.float32 and np.any(kernel != 0)
+  assert float(np.abs(stats["norm"]["mean"][...]).max()) > 0
+  # The caller's state is left as it was: the new statistics are returned.
+  assert float(np.abs(rest["norm"]["mean"][...]).max()) == 0

@@ -201,7 +201,7 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   @functools.wraps(fn)
   def interpreted(*args, **kwargs):
     with objects.outside((args, kwargs)) as (pure, finish):
-      static, arrays = split_arguments(*pure)
+      static, arrays = split_arguments((pure,), {})
       eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
       if eager and static.hashable():
         return finish(compiled(static, arrays))
@@ -224,7 +224,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   out_trees, castable = [], []
 
   def flat_fn(*arrs):
-    a, k = objects.inside(join_arguments(static, arrs))
+    a, k = objects.inside(join_arguments(static, arrs)[0][0])
     with frameworks.module_policies():  # Flax linen class policies.
       out = fn(*a, **k)
     _check_outputs(fn, out)

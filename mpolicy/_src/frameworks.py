@@ -79,7 +79,12 @@ class ObjectArguments:
 
   @contextlib.contextmanager
   def outside(self, tree) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
-    """Yields ``(pure, finish)`` for the call's ``(args, kwargs)``."""
+    """Yields ``(pure, finish)`` for the call's ``(args, kwargs)``.
+
+    ``pure`` is a pytree of arrays and static leaves for `amp` to trace
+    (`inside` turns it back into ``(args, kwargs)``); ``finish`` turns
+    what `inside_done` returned into the call's output.
+    """
     calls = self._bridge_calls()
     if calls is None:
       yield tree, lambda pair: pair[1]

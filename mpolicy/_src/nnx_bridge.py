@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import dataclasses
 import threading
 from typing import Any
 
@@ -37,10 +38,22 @@ def _is_object(x: Any) -> bool:
   return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
 
 
-def _objects_only(tree: Any) -> Any:
-  """``tree`` with every leaf that is not an NNX object set to ``None``."""
-  return jax.tree_util.tree_map(lambda x: x if _is_object(x) else None,
-                                tree, is_leaf=_is_object)
+def _stops(x: Any) -> bool:
+  """Where the search for objects stops: at an object, and at an
+  `nnx.State`, which is data (see `Calls`)."""
+  return isinstance(x, nnx.State) or _is_object(x)
+
+
+def _objects_in(tree: Any) -> list:
+  """The NNX objects of ``tree``, in order (outside `nnx.State`s)."""
+  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_stops)
+          if _is_object(x)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where the ``index``-th NNX object stood in the arguments."""
+  index: int
 
 
 class Calls(threading.local):
@@ -50,6 +63,11 @@ class Calls(threading.local):
   trace inside it (which runs in the call's dynamic extent, in the same
   thread) knows whether to rebuild them. The instance itself is the tag of
   Flax's update context, as the `nnx.jit` object is for `nnx.jit`.
+
+  An `nnx.State` (what `nnx.split` returns) is passed as data, as any
+  pytree: the split/merge form returns the state it changes, and works
+  where the caller's variables may not be written (inside `jax.grad` of a
+  loss that closes over them). `nnx.jit` would write into its variables.
   """
 
   def __init__(self):
@@ -61,24 +79,26 @@ class Calls(threading.local):
     """Splits the NNX objects of ``tree`` (the call's ``(args, kwargs)``).
 
     Yields ``(pure, finish)``: ``pure`` is ``tree`` with each NNX object
-    replaced by its graph and state (a pytree of arrays), and
-    ``finish(out)`` turns what the trace returned (`inside_done`'s pair)
-    into the call's output, writing the state back.
+    replaced by a slot, beside the objects' graph and state (a pytree of
+    arrays), and ``finish(out)`` turns what the trace returned
+    (`inside_done`'s pair) into the call's output, writing the state back.
     """
-    lifted = any(_is_object(x) for x in jax.tree_util.tree_leaves(
-        tree, is_leaf=_is_object))
-    self.lifted.append(lifted)
+    objects = _objects_in(tree)
+    self.lifted.append(bool(objects))
     try:
-      if not lifted:
+      if not objects:
         yield tree, lambda pair: pair[1]
         return
+      slots = iter(range(len(objects)))
+      shell = jax.tree_util.tree_map(
+          lambda x: _Slot(next(slots)) if _is_object(x) else x, tree,
+          is_leaf=_stops)
       with nnx.update_context(self):
-        pure = nnx.to_tree(tree, ctxtag=self)
 
         def finish(pair):
           return nnx.from_tree(pair, ctxtag=self, is_inner=False)[1]
 
-        yield pure, finish
+        yield (shell, nnx.to_tree(objects, ctxtag=self)), finish
     finally:
       self.lifted.pop()
 
@@ -86,7 +106,11 @@ class Calls(threading.local):
     """Inside the trace: the objects rebuilt, sharing as outside."""
     if not self.lifted[-1]:
       return pure
-    return nnx.from_tree(pure, ctxtag=self, is_inner=True)
+    shell, split = pure
+    objects = nnx.from_tree(split, ctxtag=self, is_inner=True)
+    return jax.tree_util.tree_map(
+        lambda x: objects[x.index] if isinstance(x, _Slot) else x, shell,
+        is_leaf=lambda x: isinstance(x, (_Slot, nnx.State)))
 
   def inside_done(self, tree: Any, out: Any) -> tuple[Any, Any]:
     """After the call: ``(objects' state, out)``, both pure pytrees.
@@ -97,7 +121,7 @@ class Calls(threading.local):
     """
     if not self.lifted[-1]:
       return None, out
-    return nnx.to_tree((_objects_only(tree), out), ctxtag=self)
+    return nnx.to_tree((_objects_in(tree), out), ctxtag=self)
 
   @staticmethod
   def is_state(x: Any) -> bool:
