@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import mpolicy
+from _helpers import all_eqns, multiplies_in
 
 assert jax.device_count() == 8
 HALF = "p=f32,c=bf16,o=f32"
@@ -34,8 +35,7 @@ mpolicy.set_policy(hk.BatchNorm, "full")
 
 
 def mlp(x):
-  x = hk.nets.MLP([32, 16], activate_final=True)(x.reshape(x.shape[0], -1))
-  return hk.Linear(4)(hk.LayerNorm(-1, True, True)(x))
+  return hk.nets.MLP([32, 16, 4])(x.reshape(x.shape[0], -1))
 
 
 def conv(x):
@@ -58,18 +58,9 @@ def relerr(a, b):
 
 
 def amp_ops(fn, *args):
-  """The compute dtype of every amp matmul / convolution in the jaxpr."""
-  found = []
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name.startswith("amp_"):
-        found.append(str(e.params.get("compute_dtype") or e.invars[0].aval.dtype))
-      for v in e.params.values():
-        for s in (v if isinstance(v, (tuple, list)) else (v,)):
-          if hasattr(s, "eqns") or hasattr(s, "jaxpr"):
-            walk(getattr(s, "jaxpr", s))
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  """The dtype every amp matmul / convolution in the jaxpr multiplies in."""
+  return [str(multiplies_in(e)[0]) for e in all_eqns(fn, *args)
+          if e.primitive.name.startswith("amp_")]
 
 
 CASES = __CASES__

@@ -51,17 +51,21 @@ def test_class_entries_give_transform_amps_rows_values_and_gradients():
   norm = [r for r in report.rows if r.module_class == "hk.BatchNorm"]
   assert norm and all(r.ran_in == "float32" for r in norm
                       if r.primitive != "convert_element_type")
-  out, new_state = ours(params, state, None, x, True)
-  assert same_bits((out, new_state), theirs(params, state, None, x, True))
+
+  @jax.jit
+  def run(params):  # Outputs, new state and gradients, bit for bit.
+    return ({"ours": ours(params, state, None, x, True),
+             "theirs": theirs(params, state, None, x, True)},
+            {who: jax.grad(lambda p, f=f: f(p, state, None, x, True)[0].sum())(
+                params) for who, f in (("ours", ours), ("theirs", theirs))})
+
+  results, grads = run(params)
+  assert same_bits(results["ours"], results["theirs"])
+  assert same_bits(grads["ours"], grads["theirs"])
+  out, new_state = results["ours"]
   assert out.dtype == jnp.float32
   assert {s.dtype for s in jax.tree_util.tree_leaves(new_state)} == {
       jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}  # Averages, counters.
-
-  def grads(apply):
-    loss = lambda p: apply(p, state, None, x, True)[0].sum()
-    return jax.grad(loss)(params)
-
-  assert same_bits(grads(ours), grads(theirs))
 
 
 def test_name_patterns_govern_a_plain_transform_under_amp():
@@ -82,11 +86,14 @@ def test_params_are_as_init_made_them_and_amp_only_casts_their_use():
   # transform_amp's init stores them in the param dtype.
   assert all(p.dtype == jnp.float32
              for p in jax.tree_util.tree_leaves(params))
-  ta_params, _ = mpolicy.transform_amp_with_state(_forward).init(
-      jax.random.PRNGKey(1), x, True)
+  init = mpolicy.transform_amp_with_state(_forward).init
+  ta_params, _ = jax.eval_shape(lambda k, x: init(k, x, True),
+                                jax.random.PRNGKey(1), x)
   assert all(p.dtype == jnp.bfloat16
              for p in jax.tree_util.tree_leaves(ta_params))
-  out, new_state = mpolicy.amp(plain.apply)(params, state, None, x, True)
+  apply = mpolicy.amp(plain.apply)
+  out, new_state = jax.eval_shape(
+      lambda p, s, x: apply(p, s, None, x, True), params, state, x)
   assert out.dtype == jnp.float32
   # State is written in the param dtype, as transform_amp stores it.
   assert all(s.dtype == jnp.bfloat16 for s in jax.tree_util.tree_leaves(
