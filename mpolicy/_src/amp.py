@@ -275,7 +275,11 @@ def amp(fn: Callable[..., Any], policy=None, *,
   computes exactly what ``f`` does. Works
   under `jit`, `grad`, `vmap`, `pmap` and inside `shard_map`; the rules
   reach into nested `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
-  `custom_jvp` and `custom_vjp`.
+  `custom_jvp` and `custom_vjp`. The registry's class and name-pattern
+  entries govern the Haiku and Flax linen module calls traced inside (so
+  ``amp(hk.transform(f).apply)`` runs as ``transform_amp(f).apply``), and
+  Flax NNX arguments are passed as `nnx.jit` passes them (all split in one
+  graph, every write visible afterwards).
 
   >>> import jax, jax.numpy as jnp
   >>> f = amp(lambda x, w: jax.nn.relu(x @ w), "p=f32,c=bf16,o=f32")
