@@ -54,8 +54,7 @@ def _enclosing_region() -> Optional[regions.Region]:
 
 
 def _in_full_precision() -> bool:
-  marker = regions.marker_for(regions.FULL_PRECISION)
-  return marker in jax_compat.current_scope_names()
+  return regions.in_full_precision(jax_compat.current_scope_names())
 
 
 def module_name(module: nn.Module) -> str:

@@ -12,12 +12,14 @@ Four Haiku hooks do the work while the forward function is traced:
   dtype, so it never drifts into the compute dtype.
 
 `transform_amp` wraps the forward in these hooks and runs `apply` through the
-interpreter, which adds the op-level rules inside each tagged region.
+interpreter, which adds the op-level rules inside each tagged region. `amp`
+installs the same hooks (`module_policies`) while it traces a plain
+``hk.transform``, so ``amp(hk.transform(f).apply)`` gets the same policies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import contextlib
 import functools
 import sys
@@ -94,8 +96,7 @@ def _enclosing_region() -> Optional[regions.Region]:
 
 
 def _in_full_precision() -> bool:
-  marker = regions.marker_for(regions.FULL_PRECISION)
-  return marker in jax_compat.current_scope_names()
+  return regions.in_full_precision(jax_compat.current_scope_names())
 
 
 class HaikuPolicyWarning(UserWarning):
@@ -192,6 +193,40 @@ def _setter(next_setter, value, context):
   return next_setter(value)
 
 
+class _Hooks(threading.local):
+  """Which of this bridge's hooks are installed in this thread.
+
+  ``by`` is ``"with_policies"`` while a forward wrapped by `with_policies`
+  (so by `transform_amp`) runs: it installs every hook itself. It is
+  ``"amp"`` inside the outermost module call of a plain Haiku transform
+  traced by `amp`, where `module_policies` installed the value hooks.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.by: Optional[str] = None
+
+  @contextlib.contextmanager
+  def installed(self, by: str):
+    previous, self.by = self.by, by
+    try:
+      yield
+    finally:
+      self.by = previous
+
+
+_HOOKS = _Hooks()
+
+
+def _value_hooks() -> contextlib.ExitStack:
+  """The creator, getter and setter (inside a transform only)."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(hk.custom_creator(_creator, params=True, state=True))
+  stack.enter_context(hk.custom_getter(_getter, params=True, state=True))
+  stack.enter_context(hk.custom_setter(_setter))
+  return stack
+
+
 def with_policies(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Runs a Haiku forward function with the registry's hooks installed.
 
@@ -213,13 +248,27 @@ def with_policies(fn: Callable[..., Any]) -> Callable[..., Any]:
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with contextlib.ExitStack() as stack:
+      stack.enter_context(_HOOKS.installed("with_policies"))
       stack.enter_context(hk.intercept_methods(_interceptor))
-      stack.enter_context(hk.custom_creator(_creator, params=True, state=True))
-      stack.enter_context(hk.custom_getter(_getter, params=True, state=True))
-      stack.enter_context(hk.custom_setter(_setter))
+      stack.enter_context(_value_hooks())
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def _check_forward(fn: Any, name: str) -> None:
+  """Raises a `TypeError` unless ``fn`` is a forward function to transform."""
+  if isinstance(fn, (hk.Transformed, hk.TransformedWithState,
+                     hk.MultiTransformed, hk.MultiTransformedWithState)):
+    raise TypeError(
+        f"{name} takes the forward function itself, as hk.transform does, "
+        f"not an already transformed one: call {name}(f), not "
+        f"{name}(hk.transform(f)); got {type(fn).__name__}. (To run an "
+        "existing hk.transform's apply under the op rules and the "
+        "registry's policies, use mpolicy.amp(transformed.apply).)")
+  if not callable(fn):
+    raise TypeError(f"{name} takes a forward function, got {fn!r} of type "
+                    f"{type(fn).__name__}.")
 
 
 def transform_amp(fn: Callable[..., Any], *,
@@ -259,8 +308,13 @@ def transform_amp(fn: Callable[..., Any], *,
   Returns:
     An `hk.Transformed` with Haiku's `init` and `apply` signatures.
 
+  Raises:
+    TypeError: if ``fn`` is already transformed (``hk.transform(f)``):
+      pass the forward function ``f`` itself.
+
   See also: `transform_amp_with_state`, `set_policy`, `explain`.
   """
+  _check_forward(fn, "transform_amp")
   transformed = hk.transform(with_policies(fn))
   apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
@@ -288,7 +342,49 @@ def transform_amp_with_state(fn: Callable[..., Any], *,
 
   See also: `transform_amp`.
   """
+  _check_forward(fn, "transform_amp_with_state")
   transformed = hk.transform_with_state(with_policies(fn))
   apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
   return hk.TransformedWithState(init=transformed.init, apply=apply)
+
+
+def _amp_interceptor(next_f, args, kwargs, context: hk.MethodContext):
+  """`amp`'s hook for a plain Haiku transform traced inside it."""
+  if _HOOKS.by == "with_policies":
+    return next_f(*args, **kwargs)  # transform_amp's hooks apply already.
+  if _HOOKS.by == "amp" or context.method_name == "__init__":
+    return _interceptor(next_f, args, kwargs, context)
+  # The outermost module call: the value hooks go on for its duration
+  # (Haiku's own mixed precision does the same).
+  with _HOOKS.installed("amp"), _value_hooks():
+    return _interceptor(next_f, args, kwargs, context)
+
+
+@contextlib.contextmanager
+def module_policies() -> Iterator[None]:
+  """Applies the registry to Haiku module calls that `amp` traces.
+
+  `amp` enters it while it traces (through `frameworks`), so
+  ``amp(hk.transform(f).apply)`` honours class and name-pattern entries
+  as ``transform_amp(f).apply`` does: the same casts of inputs,
+  parameters, state and outputs, the same region markers, so the same op
+  rules (`explain` rows match). Parameters are as ``init`` made them:
+  ``amp`` cannot change what a plain ``hk.transform(f).init`` stored
+  (``transform_amp(f).init`` creates them in the param dtype). Inside a
+  `transform_amp` (or `with_policies`) forward it does nothing: those
+  hooks apply already. With an empty registry nothing is installed.
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=bf16")
+  >>> f = hk.transform(lambda x: hk.Linear(2)(x))
+  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
+  >>> mpolicy.amp(f.apply)(params, None, jnp.ones([1, 3])).dtype
+  dtype(bfloat16)
+  >>> mpolicy.clear_policies()
+  """
+  if not registry.snapshot():
+    yield
+    return
+  with hk.intercept_methods(_amp_interceptor):
+    yield

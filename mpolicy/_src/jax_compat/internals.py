@@ -405,6 +405,11 @@ def with_dtype(aval, dtype, weak_type: bool = False):
   return aval.update(dtype=dtype, weak_type=weak_type)
 
 
+def with_sharding(aval, sharding):
+  """``aval`` with another sharding (keeps shape, dtype, vma, ...)."""
+  return aval.update(sharding=sharding)
+
+
 def tangent_aval(aval):
   return aval.to_tangent_aval()
 
@@ -494,5 +499,6 @@ __all__ = [
     "varying_axes",
     "while_p",
     "with_dtype",
+    "with_sharding",
     "wrap_thunk",
 ]

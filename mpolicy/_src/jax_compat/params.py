@@ -253,14 +253,18 @@ def _conv_result_keys() -> tuple[str, ...]:
   return tuple(k for k in probe.eqns[0].params if k in _CONV_RESULT_PARAMS)
 
 
-def bind_conv(lhs, rhs, shape_params: Mapping[str, Any], result_dtype=None):
+def bind_conv(lhs, rhs, shape_params: Mapping[str, Any], result_dtype=None,
+              out_sharding=None):
   """Binds `conv_general_dilated` with ``shape_params`` (see `conv_params`),
-  asking for ``result_dtype`` (None: the operands'), no output sharding,
-  whichever of those params the installed JAX's primitive takes."""
+  asking for ``result_dtype`` (None: the operands') and ``out_sharding``
+  (None: none), whichever of those params the installed JAX's primitive
+  takes."""
   extra = {"preferred_element_type": (None if result_dtype is None
                                       else np.dtype(result_dtype))}
   extra.update({k: None for k in _conv_result_keys()
                 if k != "preferred_element_type"})
+  if "out_sharding" in extra:
+    extra["out_sharding"] = out_sharding
   return jax.lax.conv_general_dilated_p.bind(lhs, rhs, **shape_params, **extra)
 
 

@@ -152,7 +152,7 @@ def _as_written(op: base.Op) -> list:
   half inputs included. Disagreeing inputs meet at the widest."""
   op.rule = base.AS_WRITTEN
   if op.region is None or op.region.full_precision:
-    op.why = "full_precision()"
+    op.why = op.region.decided_by if op.region else "full_precision()"
   else:
     # Values the rules outside made narrower than the code had them (a
     # half matmul's result entering a `full` region) are read as the code
