@@ -173,6 +173,18 @@ def shard_map_body_context(eqn):
   return _i.manual_axes_context(p["mesh"], manual, p.get("check_vma"))
 
 
+# --- Kernels ------------------------------------------------------------------
+
+
+def kernel_name(eqn) -> Optional[str]:
+  """A Pallas kernel's name: ``pallas_call``'s ``name=``, else its kernel
+  function's name; None for any other equation."""
+  if _i.pallas_call_p is None or eqn.primitive is not _i.pallas_call_p:
+    return None
+  debug = getattr(eqn.params.get("jaxpr"), "debug_info", None)
+  return eqn.params.get("name") or getattr(debug, "func_name", None) or None
+
+
 # --- First-order params -----------------------------------------------------
 
 
@@ -273,6 +285,7 @@ __all__ = [
     "conv_params",
     "custom_jvp_num_consts",
     "dot_params",
+    "kernel_name",
     "out_sharding",
     "params_with_result_dtype",
     "ragged_dot_dimension_numbers",
