@@ -77,12 +77,21 @@ def _call(scope, eqn, invals):
   return _bind(eqn, invals, body=new)
 
 
-def _open_call(scope, eqn, invals):
+def _open_call(scope, eqn, invals, **by_role):
   """`call`/`checkpoint`: one open sub-jaxpr; new consts become operands."""
   jaxpr = jax_compat.sub_jaxpr(eqn)
   new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
   new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
-  return _bind(eqn, [*consts, *invals], body=new_jaxpr)
+  return _bind(eqn, [*consts, *invals], body=new_jaxpr, **by_role)
+
+
+def _checkpoint(scope, eqn, invals):
+  """`jax.checkpoint`: its policy sees the half matmul and convolution
+  primitives as the JAX ones they stand for (so ``dots_saveable`` keeps
+  their results, as it keeps JAX's)."""
+  policy = jax_compat.sub_jaxpr(eqn, "policy")
+  return _open_call(scope, eqn, invals,
+                    policy=jax_compat.policy_seeing_views(policy))
 
 
 def _scan(scope, eqn, invals):
@@ -342,7 +351,7 @@ _RULES: dict[Any, Callable[..., list]] = {
     jax_compat.scan_p: _scan,
     jax_compat.while_p: _while,
     jax_compat.cond_p: _cond,
-    jax_compat.remat_p: _open_call,
+    jax_compat.remat_p: _checkpoint,
     jax_compat.custom_jvp_call_p: _custom_jvp,
     jax_compat.custom_vjp_call_p: _custom_vjp,
 }

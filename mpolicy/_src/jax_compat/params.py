@@ -125,7 +125,7 @@ _ROLES: dict[Any, dict[str, str]] = {
         (_i.scan_p, {"body": "jaxpr"}),
         (_i.while_p, {"cond": "cond_jaxpr", "body": "body_jaxpr"}),
         (_i.cond_p, {"branches": "branches"}),
-        (_i.remat_p, {"body": "jaxpr"}),
+        (_i.remat_p, {"body": "jaxpr", "policy": "policy"}),
         (_i.custom_jvp_call_p, {"body": "call_jaxpr", "jvp": "jvp_jaxpr_fun"}),
         (_i.custom_vjp_call_p, {"body": "call_jaxpr",
                                 "fwd": "fwd_jaxpr_thunk"}),
@@ -150,7 +150,8 @@ def sub_jaxpr(eqn, role: str = "body"):
   Roles: ``"body"`` (every call-like primitive, `scan`, `while`'s body,
   `shard_map`, the primal of `custom_jvp`/`custom_vjp`), ``"cond"``
   (`while`), ``"branches"`` (`cond`, a tuple), ``"jvp"`` (`custom_jvp`'s
-  rule thunk), ``"fwd"`` (`custom_vjp`'s forward thunk).
+  rule thunk), ``"fwd"`` (`custom_vjp`'s forward thunk); and, not a
+  sub-jaxpr, ``"policy"`` (`checkpoint`'s remat policy).
   """
   return eqn.params[_key(eqn.primitive, role)]
 

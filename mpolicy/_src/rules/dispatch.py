@@ -72,10 +72,10 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
   op.policy = policy
   facts = op.facts
 
-  fn = (None if region is not None and region.full_precision
-        else custom_rule(rules, eqn))
+  fn, key = ((None, None) if region is not None and region.full_precision
+             else custom_rule(rules, eqn))
   if fn is not None:
-    outs = custom.run(op, fn)
+    outs = custom.run(op, fn, key)
   else:
     outs = facts.special(op) if facts.special is not None else None
     if outs is None:
@@ -99,14 +99,14 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
   return outs
 
 
-def custom_rule(rules, eqn):
-  """The custom rule `rules` gives ``eqn`` (by its most specific key), or
-  None."""
+def custom_rule(rules, eqn) -> tuple:
+  """``(fn, key)``: the custom rule `rules` gives ``eqn`` by its most
+  specific key, or ``(None, None)``."""
   for key in kernels.rule_keys(eqn):
     fn = rules.rule_of(key)
     if fn is not None:
-      return fn
-  return None
+      return fn, key
+  return None, None
 
 
 def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:

@@ -18,6 +18,10 @@ from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 
 
+NAMED = frozenset(p.name for p in (jax_compat.pallas_call_p,) if p is not None)
+"""Primitives whose kernels take rules by name (``"pallas_call:<kernel>"``)."""
+
+
 def rule_keys(eqn) -> tuple[str, ...]:
   """The `OpRules` keys a custom rule for ``eqn`` may have, most specific
   first: ``("pallas_call:<kernel>", "pallas_call")`` for a Pallas kernel,
