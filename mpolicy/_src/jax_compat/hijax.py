@@ -28,6 +28,7 @@ from typing import Any, Optional
 import jax
 from jax.extend import core as jex_core
 
+from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import stages as _stages
 from jax._src.interpreters import partial_eval as _pe
@@ -150,7 +151,15 @@ def scan_rebuild(obj, body: jex_core.ClosedJaxpr) -> tuple[Any, list]:
   scanned over). Returns the new object and the consts to prepend."""
   jaxpr, consts = _open_like(obj.jaxpr, body)
   extensives = [False] * len(consts) + list(obj.extensives)
-  return _rebuild(obj, jaxpr=jaxpr, extensives=extensives), consts
+  new = _rebuild(obj, jaxpr=jaxpr, extensives=extensives)
+  if not new.effects:
+    # The loop writes its carries' references: effects on its operands.
+    # JAX 0.12's Scan3 does not declare them, so `jit` drops a loop whose
+    # results are only in those references (a `fori_loop`) as dead code,
+    # and the carries come back as they entered. Declared here, it stays.
+    new.effects = frozenset(_core.positional_effects(getattr(jaxpr, "jaxpr",
+                                                             jaxpr)))
+  return new, consts
 
 
 # --- RematTraced: jax.checkpoint --------------------------------------------
