@@ -44,7 +44,6 @@ REFUSED_PRIMITIVES: dict[str, str] = {
                          "dtypes"),
     "custom_partitioning": ("its partitioning rules are Python written for "
                             "the traced dtypes"),
-    "custom_transpose_call": "its transpose is written for the traced dtypes",
     "linear_call": "its transpose is written for the traced dtypes",
     "custom_lin": _AD_MADE,
     "remat_opt": _AD_MADE,
@@ -57,10 +56,11 @@ REFUSED_PRIMITIVES: dict[str, str] = {
     "program_order": "a program-order region",
     "run_state": "a stateful program over references",
     "run_scoped": "a Pallas kernel's scoped allocation",
+    "jaxpr_call": "a call inside a Pallas kernel",
+    "eval_jaxpr": "JAX 0.10's eval_jaxpr (made by next-generation constructs)",
     "core_map": "a Pallas core map",
     "mpmd_map": "a Pallas MPMD map",
     "cudnn_fusion": "a cuDNN fusion",
-    "xla_pmap": "a classic `jax.pmap`",
 }
 
 

@@ -6,11 +6,13 @@
   shape the supported JAX versions (0.10.2 to 0.12) use.
 * `remat`: remat policies seeing mpolicy's primitives as the JAX ones
   they stand for.
+* `survey`: which of JAX's primitives may carry a sub-computation
+  (reached as ``jax_compat.survey``, for the tests).
 * `hijax`: JAX's next-generation constructs (``jax_scan3``,
   ``jax_remat3``, ``jax_custom_vjp3``, ``jax_custom_jvp3``), read and
   rebuilt; reached as ``jax_compat.hijax`` (its names are per construct).
 
-`internals`, `remat` and `hijax` are the modules that import JAX's private
+`internals`, `remat`, `survey` and `hijax` are the modules that import JAX's private
 and extension modules. Supporting another JAX version means changing this
 package only. Nothing in it knows about mpolicy's policies. Every name of
 `internals`, `params` and `remat` is re-exported here: the rest of mpolicy
@@ -20,6 +22,7 @@ imports `jax_compat` and nothing below it.
 from mpolicy._src.jax_compat.internals import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.params import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.remat import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat import survey
 from mpolicy._src.jax_compat import internals as _internals
 from mpolicy._src.jax_compat import params as _params
 from mpolicy._src.jax_compat import remat as _remat
