@@ -39,28 +39,24 @@ FLAGS = tuple(f for f in ("jax_scan3", "jax_remat3", "jax_custom_vjp3",
 
 
 @contextlib.contextmanager
-def flags_on(names):
-  """The named flags on (the others as they are), restored after."""
+def flags(names, on: bool):
+  """The named flags on (or off), the others as they are; restored after."""
   before = {n: jax.config.values[n] for n in names}
   try:
     for n in names:
-      jax.config.update(n, True)
+      jax.config.update(n, on)
     yield
   finally:
     for n, v in before.items():
       jax.config.update(n, v)
 
 
-@contextlib.contextmanager
+def flags_on(names):
+  return flags(names, True)
+
+
 def all_flags_off():
-  before = {n: jax.config.values[n] for n in FLAGS}
-  try:
-    for n in FLAGS:
-      jax.config.update(n, False)
-    yield
-  finally:
-    for n, v in before.items():
-      jax.config.update(n, v)
+  return flags(FLAGS, False)
 
 
 # --- The programs -------------------------------------------------------------

@@ -211,23 +211,28 @@ def _as_traced(scope, eqn, invals):
 # --- The next-generation constructs -------------------------------------------
 
 
+def _rebuilt(scope, invals, body, rebuild):
+  """A construct with one body run at its operands' dtypes: ``rebuild``
+  makes it around the new body, whose consts become leading operands."""
+  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals))
+  new_obj, consts = rebuild(new)
+  return _hj.bind(new_obj, [*consts, *invals])
+
+
 def _scan3(scope, eqn, obj, invals):
-  """A scan3 loop: the body (its carries are references) at the dtypes its
+  """A scan3 loop: its body (carries are references) at the dtypes its
   operands now have; its outputs take what dtypes the rules give them."""
   del eqn
-  body = _hj.scan_body(obj)
-  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals))
-  new_obj, consts = _hj.scan_rebuild(obj, new)
-  return _hj.bind(new_obj, [*consts, *invals])
+  return _rebuilt(scope, invals, _hj.scan_body(obj),
+                  lambda body: _hj.scan_rebuild(obj, body))
 
 
 def _remat3(scope, eqn, obj, invals):
-  """`jax.checkpoint` under remat3: as `checkpoint` (its policy kept)."""
+  """`jax.checkpoint` under remat3: as `checkpoint` (its policy kept; JAX
+  asks it about the half matmuls' views, see `jax_compat.remat`)."""
   del eqn
-  body = _hj.remat_body(obj)
-  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals))
-  new_obj, consts = _hj.remat_rebuild(obj, new)
-  return _hj.bind(new_obj, [*consts, *invals])
+  return _rebuilt(scope, invals, _hj.remat_body(obj),
+                  lambda body: _hj.remat_rebuild(obj, body))
 
 
 def _primal_of(obj, invals) -> jax_compat.ClosedJaxpr:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import importlib
 import inspect
 import types
 from typing import Any, Optional
@@ -36,18 +37,15 @@ from jax._src.interpreters import partial_eval as _pe
 from mpolicy._src.jax_compat import internals as _i
 
 
-def _optional_attr(module_name: str, name: str):
+def _optional_attr(module_name: str, attr: str):
+  """``module_name.attr``, or None where this JAX lacks either."""
   try:
-    module = __import__(module_name, fromlist=[name])
+    return getattr(importlib.import_module(module_name), attr, None)
   except ImportError:
     return None
-  return getattr(module, name, None)
 
 
-try:
-  from jax._src import hijax as _hijax_module  # pylint: disable=g-import-not-at-top
-except ImportError:
-  _hijax_module = None
+_hijax_module = _optional_attr("jax._src", "hijax")
 call_hi_primitive_p = getattr(_hijax_module, "call_hi_primitive_p", None)
 
 # The construct classes, by the kind mpolicy gives them (absent ones, from an

@@ -252,14 +252,10 @@ KERNEL_PRIMITIVES = frozenset(
 _primitives_cache: dict = {}
 
 
-def _primitives(packages: tuple[str, ...]) -> dict:
-  """Name -> `Primitive` for the primitives of ``packages``' loaded modules
-  (cached until more modules are loaded)."""
-  key = (packages, len(sys.modules))
-  hit = _primitives_cache.get(key)
-  if hit is not None:
-    return hit
-  found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
+def loaded_primitives(packages) -> list:
+  """The `Primitive` objects at the top level of the loaded modules of
+  ``packages`` (each package's own module and its submodules)."""
+  found = {}
   for module_name, module in list(sys.modules.items()):
     if module is None or not any(module_name == p or
                                  module_name.startswith(p + ".")
@@ -269,8 +265,20 @@ def _primitives(packages: tuple[str, ...]) -> dict:
       values = list(vars(module).values())
     except TypeError:
       continue
-    found.update((v.name, v) for v in values
+    found.update((id(v), v) for v in values
                  if isinstance(v, jex_core.Primitive))
+  return list(found.values())
+
+
+def _primitives(packages: tuple[str, ...]) -> dict:
+  """Name -> `Primitive` for the primitives of ``packages``' loaded modules
+  (cached until more modules are loaded)."""
+  key = (packages, len(sys.modules))
+  hit = _primitives_cache.get(key)
+  if hit is not None:
+    return hit
+  found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
+  found.update((p.name, p) for p in loaded_primitives(packages))
   _primitives_cache.clear()
   _primitives_cache[key] = found
   return found
@@ -298,14 +306,13 @@ def jaxprs_in_params(params) -> list:
   """The jaxprs (open or closed) found in an equation's params, those a
   next-generation construct (``call_hi_primitive``'s object) holds
   included."""
-  from mpolicy._src.jax_compat import hijax  # pylint: disable=g-import-not-at-top
   found = []
   for value in params.values():
     for v in (value if isinstance(value, (tuple, list)) else (value,)):
       if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
         found.append(v)
-      elif hijax.is_construct(v):
-        found.extend(hijax.jaxprs_in(v))
+      elif _hijax.is_construct(v):
+        found.extend(_hijax.jaxprs_in(v))
   return found
 
 
@@ -473,6 +480,10 @@ def conv_batch(batched_args, batch_dims, **params):
       None, batched_args, batch_dims, **params)
 
 
+# Last: `hijax` reads this module's names when it is called, not imported.
+from mpolicy._src.jax_compat import hijax as _hijax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
 __all__ = [
     "aval_of",
     "bind",
@@ -512,6 +523,7 @@ __all__ = [
     "gather_p",
     "jaxprs_in_params",
     "jit_p",
+    "loaded_primitives",
     "linear_solve_p",
     "Literal",
     "make_varying",

@@ -20,15 +20,14 @@ import functools
 import importlib
 import inspect
 import re
-import sys
-
-from jax.extend import core as jex_core
 
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+
+from mpolicy._src.jax_compat import internals as _i
 
 MODULES = (
     "jax.lax", "jax._src.lax", "jax._src.interpreters",
@@ -59,27 +58,14 @@ _SUB_PARAMS = re.compile(
 def primitives_in(modules: Iterable[str] = MODULES) -> list:
   """The `Primitive` objects at the top level of ``modules`` and of their
   loaded submodules (a module this JAX lacks is skipped)."""
-  names = []
+  loaded = []
   for name in modules:
     try:
       importlib.import_module(name)
     except ImportError:
       continue
-    names.append(name)
-  found = {}
-  for module_name, module in list(sys.modules.items()):
-    if module is None or not any(module_name == n or
-                                 module_name.startswith(n + ".")
-                                 for n in names):
-      continue
-    try:
-      values = list(vars(module).values())
-    except TypeError:
-      continue
-    for v in values:
-      if isinstance(v, jex_core.Primitive):
-        found.setdefault(id(v), v)
-  return sorted(found.values(), key=lambda p: p.name)
+    loaded.append(name)
+  return sorted(_i.loaded_primitives(tuple(loaded)), key=lambda p: p.name)
 
 
 def _rules_of(primitive) -> list:
