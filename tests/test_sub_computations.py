@@ -29,7 +29,7 @@ W = jnp.linspace(-0.5, 0.5, 16, dtype=jnp.float32).reshape(4, 4)
 # Refused names this JAX does not define (each is defined by the other end
 # of the supported range, so no entry is dead).
 _ABSENT = {"0.10": {"program_order", "xla_metadata_call"},
-           "0.12": {"core_map", "jaxpr_call"}}
+           "0.12": {"core_map", "fusible", "jaxpr_call"}}
 
 
 def _surveyed():

@@ -60,6 +60,11 @@ REFUSED_PRIMITIVES: dict[str, str] = {
     "eval_jaxpr": "JAX 0.10's eval_jaxpr (made by next-generation constructs)",
     "core_map": "a Pallas core map",
     "mpmd_map": "a Pallas MPMD map",
+    "emit_pipeline": "a Pallas TPU pipeline (inside a kernel)",
+    "parallel_loop": "a Pallas loop (inside a kernel)",
+    "pipeline_body": "a Pallas TPU pipeline (inside a kernel)",
+    "custom_fusion": "a Pallas fuser fusion, written for the traced dtypes",
+    "fusible": "a Pallas fuser fusion, written for the traced dtypes",
     "cudnn_fusion": "a cuDNN fusion",
 }
 

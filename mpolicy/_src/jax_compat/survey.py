@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import functools
 import importlib
 import inspect
+import pkgutil
 import re
 
 from jax._src import core as _core
@@ -37,10 +38,9 @@ MODULES = (
     "jax._src.buffer_callback", "jax._src.debugging", "jax._src.shard_map",
     "jax._src.pjit", "jax._src.core", "jax._src.hijax", "jax._src.state",
     "jax._src.compute_on", "jax._src.xla_metadata", "jax._src.program_order",
-    "jax._src.pallas", "jax._src.pallas.mpmd", "jax._src.cudnn",
-    "jax._src.checkify",
+    "jax._src.pallas", "jax._src.cudnn", "jax._src.checkify",
 )
-"""The JAX modules (and their loaded submodules) whose primitives the
+"""The JAX modules (and all their submodules) whose primitives the
 survey walks: control flow, checkpointing, custom derivatives and
 batching, callbacks, sharding, state, Pallas, ... Those a JAX version
 lacks are skipped."""
@@ -55,17 +55,27 @@ _SUB_PARAMS = re.compile(
     r"^bwd$|^fwd$|^call$|^rule$|^fun$")
 
 
-def primitives_in(modules: Iterable[str] = MODULES) -> list:
-  """The `Primitive` objects at the top level of ``modules`` and of their
-  loaded submodules (a module this JAX lacks is skipped)."""
-  loaded = []
-  for name in modules:
+def _import_all(name: str) -> bool:
+  """Imports module ``name`` and, for a package, all its submodules (those
+  that fail to import, for want of a backend's libraries, are skipped)."""
+  try:
+    module = importlib.import_module(name)
+  except ImportError:
+    return False
+  for info in pkgutil.walk_packages(getattr(module, "__path__", ()),
+                                    name + "."):
     try:
-      importlib.import_module(name)
-    except ImportError:
-      continue
-    loaded.append(name)
-  return sorted(_i.loaded_primitives(tuple(loaded)), key=lambda p: p.name)
+      importlib.import_module(info.name)
+    except Exception:  # pylint: disable=broad-except
+      pass
+  return True
+
+
+def primitives_in(modules: Iterable[str] = MODULES) -> list:
+  """The `Primitive` objects at the top level of ``modules`` and of all
+  their submodules (a module this JAX lacks is skipped)."""
+  loaded = tuple(name for name in modules if _import_all(name))
+  return sorted(_i.loaded_primitives(loaded), key=lambda p: p.name)
 
 
 def _rules_of(primitive) -> list:
