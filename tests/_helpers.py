@@ -116,3 +116,51 @@ def damage_arrays(path) -> None:
       if os.sep + "d" in root:
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(os.path.getsize(f.name) // 2)
+
+
+def jax_error(fn, *args):
+  """The type of the exception plain JAX raises running ``fn(*args)``, or
+  None: which combinations JAX supports (a scan under ``jax_scan3`` has no
+  gradient in JAX 0.12), so a test checks amp against JAX where JAX runs
+  and expects the same refusal where it does not."""
+  try:
+    jax.block_until_ready(fn(*args))
+  except Exception as e:  # pylint: disable=broad-except
+    return type(e)
+  return None
+
+
+def checkpoints(fn, *args) -> list:
+  """``(policy, body jaxpr)`` of each `jax.checkpoint` in ``fn``'s jaxpr,
+  classic (``remat2``) or under ``jax_remat3``."""
+  out = []
+  for eqn in all_eqns(fn, *args):
+    obj = jax_compat.hijax.hi_object(eqn)
+    if eqn.primitive is jax_compat.remat_p:
+      out.append((jax_compat.sub_jaxpr(eqn, "policy"),
+                  jax_compat.sub_jaxpr(eqn)))
+    elif obj is not None and jax_compat.hijax.kind(obj) == "remat":
+      out.append((jax_compat.hijax.remat_policy(obj),
+                  jax_compat.hijax.remat_body(obj)))
+  return out
+
+
+def loop_carry_dtypes(fn, *args) -> list:
+  """The dtype each loop carry of ``fn``'s scans keeps inside the body
+  (classic ``scan``: the body's carry inputs and outputs; ``jax_scan3``:
+  the references the body reads and writes)."""
+  out = []
+  for eqn in all_eqns(fn, *args):
+    obj = jax_compat.hijax.hi_object(eqn)
+    if eqn.primitive is jax_compat.scan_p:
+      _, n_carry = jax_compat.scan_counts(eqn.params)
+      start = jax_compat.scan_counts(eqn.params)[0]
+      body = jax_compat.sub_jaxpr(eqn)
+      ins = [a.dtype for a in body.in_avals[start:start + n_carry]]
+      outs = [a.dtype for a in body.out_avals[:n_carry]]
+      assert ins == outs, (ins, outs)
+      out += ins
+    elif obj is not None and jax_compat.hijax.kind(obj) == "scan":
+      body = jax_compat.hijax.scan_body(obj)
+      out += [a.dtype for a in body.in_avals if jax_compat.is_ref(a)]
+  return out

@@ -34,6 +34,8 @@ from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax_internal
+from jax._src.state import primitives as _state
+from jax._src.state.types import AbstractRef as _AbstractRef
 
 # --- Name stacks ------------------------------------------------------------
 
@@ -228,7 +230,45 @@ CALLBACK_PRIMITIVES = frozenset(
     ) if p is not None)
 
 
+# Reads and writes of mutable array references (a scan3 loop's carries).
+ref_get_p = _state.get_p
+ref_swap_p = _state.swap_p
+ref_addupdate_p = _optional(_state, "addupdate_p")
+
+try:  # Pallas kernels (importing the primitive's module costs a few ms).
+  from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
+  pallas_call_p = _pallas_call.pallas_call_p
+except (ImportError, AttributeError):
+  pallas_call_p = None
+
+# Primitives that run code mpolicy does not see into as kernels: host
+# callbacks and Pallas kernels. Their operands arrive in the dtypes they
+# were traced with (an explicit rule each; see `rules.kernels`).
+KERNEL_PRIMITIVES = frozenset(
+    p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
+                _optional(_debugging, "inspect_sharding_p"))
+    if p is not None)
+
+
 _primitives_cache: dict = {}
+
+
+def loaded_primitives(packages) -> list:
+  """The `Primitive` objects at the top level of the loaded modules of
+  ``packages`` (each package's own module and its submodules)."""
+  found = {}
+  for module_name, module in list(sys.modules.items()):
+    if module is None or not any(module_name == p or
+                                 module_name.startswith(p + ".")
+                                 for p in packages):
+      continue
+    try:
+      values = list(vars(module).values())
+    except TypeError:
+      continue
+    found.update((id(v), v) for v in values
+                 if isinstance(v, jex_core.Primitive))
+  return list(found.values())
 
 
 def _primitives(packages: tuple[str, ...]) -> dict:
@@ -239,17 +279,7 @@ def _primitives(packages: tuple[str, ...]) -> dict:
   if hit is not None:
     return hit
   found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
-  for module_name, module in list(sys.modules.items()):
-    if module is None or not any(module_name == p or
-                                 module_name.startswith(p + ".")
-                                 for p in packages):
-      continue
-    try:
-      values = list(vars(module).values())
-    except TypeError:
-      continue
-    found.update((v.name, v) for v in values
-                 if isinstance(v, jex_core.Primitive))
+  found.update((p.name, p) for p in loaded_primitives(packages))
   _primitives_cache.clear()
   _primitives_cache[key] = found
   return found
@@ -274,12 +304,16 @@ def primitives_named(names) -> list:
 
 
 def jaxprs_in_params(params) -> list:
-  """The jaxprs (open or closed) found in an equation's params."""
+  """The jaxprs (open or closed) found in an equation's params, those a
+  next-generation construct (``call_hi_primitive``'s object) holds
+  included."""
   found = []
   for value in params.values():
     for v in (value if isinstance(value, (tuple, list)) else (value,)):
       if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
         found.append(v)
+      elif _hijax.is_construct(v):
+        found.extend(_hijax.jaxprs_in(v))
   return found
 
 
@@ -401,13 +435,22 @@ def dot_general_batch_dim_nums(ndims, batch_dims, dimension_numbers):
 
 
 def with_dtype(aval, dtype, weak_type: bool = False):
-  """``aval`` with another dtype (keeps shape, sharding, vma, ...)."""
+  """``aval`` with another dtype (keeps shape, sharding, vma, ...); a
+  reference's aval (``Ref{f32[3]}``) gets a reference to that dtype."""
+  inner = getattr(aval, "inner_aval", None)
+  if inner is not None:
+    return aval.update(inner_aval=with_dtype(inner, dtype, weak_type))
   return aval.update(dtype=dtype, weak_type=weak_type)
 
 
 def with_sharding(aval, sharding):
   """``aval`` with another sharding (keeps shape, dtype, vma, ...)."""
   return aval.update(sharding=sharding)
+
+
+def is_ref(x) -> bool:
+  """Whether ``x`` (a value or an aval) is a mutable array reference."""
+  return isinstance(getattr(x, "aval", x), _AbstractRef)
 
 
 def tangent_aval(aval):
@@ -443,6 +486,10 @@ def conv_batch(batched_args, batch_dims, **params):
       None, batched_args, batch_dims, **params)
 
 
+# Last: `hijax` reads this module's names when it is called, not imported.
+from mpolicy._src.jax_compat import hijax as _hijax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
 __all__ = [
     "aval_of",
     "bind",
@@ -450,6 +497,12 @@ __all__ = [
     "bound_axis_names",
     "broadcast_in_dim_p",
     "CALLBACK_PRIMITIVES",
+    "is_ref",
+    "KERNEL_PRIMITIVES",
+    "pallas_call_p",
+    "ref_addupdate_p",
+    "ref_get_p",
+    "ref_swap_p",
     "call_thunk",
     "called_jax_function",
     "check_vma_enabled",
@@ -476,6 +529,7 @@ __all__ = [
     "gather_p",
     "jaxprs_in_params",
     "jit_p",
+    "loaded_primitives",
     "linear_solve_p",
     "Literal",
     "make_varying",

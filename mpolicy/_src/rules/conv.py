@@ -181,10 +181,18 @@ def _conv_batch(batched_args, batch_dims, *, out_dtype, out_sharding=None,
   return _cast(out, out_dtype), out_dim[0]
 
 
+def _as_conv(*, out_dtype, **shape):
+  """What remat policies see (``dots_saveable``): the
+  ``conv_general_dilated`` it stands for."""
+  return jax.lax.conv_general_dilated_p, {
+      **shape, "preferred_element_type": np.dtype(out_dtype)}
+
+
 amp_primitive.define(amp_conv_general_dilated_p, _conv_composite,
                      _conv_accelerator,
                      functools.partial(_conv_transpose, "lhs"),
                      functools.partial(_conv_transpose, "rhs"), _conv_batch)
+jax_compat.define_remat_view(amp_conv_general_dilated_p, _as_conv)
 
 
 # --- The float8 convolution -----------------------------------------------------
