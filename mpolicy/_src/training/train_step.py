@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src.training import accumulation
 from mpolicy._src.training import attribution
 from mpolicy._src.training import half_params
+from mpolicy._src.training import microbatches as microbatches_lib
 from mpolicy._src.training import scaling
 from mpolicy._src.training import skipping
 
@@ -70,6 +74,24 @@ class TrainStepResult(NamedTuple):
     return attribution.nonfinite_paths(self.nonfinite)
 
 
+class _Default:
+  """A keyword's default, told apart from the same value passed."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __repr__(self) -> str:
+    return _show(self.value)
+
+
+def _show(value: Any) -> str:
+  """A keyword's value as written: a dtype by its name."""
+  try:
+    return np.dtype(value).name if value is not None else "None"
+  except TypeError:
+    return repr(value)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -77,12 +99,15 @@ def make_train_step(
     has_aux: bool = False,
     has_state: bool = False,
     axis_name: Any = None,
-    reduce_dtype: Any = jnp.float32,
+    reduce_dtype: Any = _Default(jnp.float32),
     grad_dtype: Any = None,
     max_retries: int = 0,
     param_rounding: str = "nearest",
-    average_state: bool = True,
+    average_state: bool = _Default(True),
     attribute_overflow: bool = False,
+    microbatches: int = 1,
+    batch_argnums: int | Sequence[int] | None = None,
+    loss_reduction: str = "mean",
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -134,21 +159,56 @@ def make_train_step(
 
   See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
   """
+  where = "make_train_step"
+  reduce_dtype, average_state = _warn_if_ignored(
+      reduce_dtype, average_state, axis_name, has_state)
   optimizer = half_params.for_param_rounding(optimizer, param_rounding)
+  k = microbatches_lib.check_microbatches(microbatches, where)
+  batch_argnums = microbatches_lib.check_batch_argnums(batch_argnums, where)
+  loss_reduction = accumulation.check_loss_reduction(loss_reduction, where)
+  fun = _with_state_as_aux(loss_fn, has_aux) if has_state else loss_fn
   grad_options = dict(
-      axis_name=axis_name, reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
+      has_aux=has_aux or has_state, axis_name=axis_name,
+      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
       max_retries=max_retries, attribute_overflow=attribute_overflow)
+  if k == 1 and loss_reduction == accumulation.MEAN:
+    grad_fn = scaling.scaled_value_and_grad(fun, **grad_options)
+  else:
+    grad_fn = accumulation.accumulated_value_and_grad(
+        fun, k, has_state=has_state, batch_argnums=batch_argnums,
+        arg_names=microbatches_lib.arg_names(loss_fn, 1),
+        loss_reduction=loss_reduction, **grad_options)
   if not has_state:
-    return _step(loss_fn, optimizer, has_aux, grad_options)
+    return _step(grad_fn, optimizer)
   average_over = axis_name if average_state else None
-  return _step_with_state(loss_fn, optimizer, has_aux, average_over,
-                          grad_options)
+  return _step_with_state(grad_fn, optimizer, has_aux, average_over)
 
 
-def _step(loss_fn, optimizer, has_aux, grad_options):
+def _warn_if_ignored(reduce_dtype, average_state, axis_name, has_state):
+  """The two keywords' values, warning for one passed where it does nothing."""
+  if not isinstance(reduce_dtype, _Default) and axis_name is None:
+    warnings.warn(
+        f"make_train_step: reduce_dtype={_show(reduce_dtype)} has no effect "
+        "without axis_name: it sets the dtype of the cross-device mean that "
+        "runs inside pmap / shard_map over the data axes. Pass axis_name "
+        "(the axes the batch is split over), or drop reduce_dtype (under "
+        "jax.jit with sharded arrays XLA places the reductions).",
+        UserWarning, stacklevel=3)
+  if not isinstance(average_state, _Default) and not (
+      has_state and axis_name is not None):
+    missing = "has_state=True" if not has_state else "axis_name"
+    warnings.warn(
+        f"make_train_step: average_state={average_state!r} has no effect "
+        f"without {missing}: it averages the model state (BatchNorm's "
+        "statistics) that loss_fn returns with has_state=True over the data "
+        "axes named by axis_name. Pass both, or drop average_state.",
+        UserWarning, stacklevel=3)
+  unset = lambda x: x.value if isinstance(x, _Default) else x
+  return unset(reduce_dtype), unset(average_state)
+
+
+def _step(grad_fn, optimizer):
   """The step of a model without state."""
-  grad_fn = scaling.scaled_value_and_grad(loss_fn, has_aux=has_aux,
-                                          **grad_options)
 
   def step(params, opt_state, loss_scale, *args, **kwargs):
     new_loss_scale, finite, value, grads, *flags = grad_fn(
@@ -163,7 +223,7 @@ def _step(loss_fn, optimizer, has_aux, grad_options):
 
 def _with_state_as_aux(loss_fn, has_aux):
   """`loss_fn(params, model_state, *args)` as a loss whose aux carries the
-  new model state: `(loss, new_state)`, or `(loss, (aux, new_state))`."""
+  new model state: `(loss, (aux, new_state))`, aux None without has_aux."""
 
   def loss_with_state(params, model_state, *args, **kwargs):
     out = loss_fn(params, model_state, *args, **kwargs)
@@ -173,29 +233,21 @@ def _with_state_as_aux(loss_fn, has_aux):
           "`(loss, new_model_state)` (`((loss, aux), new_model_state)` with "
           f"has_aux=True), got {type(out).__name__}.")
     value, new_model_state = out
-    if has_aux:
-      loss, aux = value
-      return loss, (aux, new_model_state)
-    return value, new_model_state
+    loss, aux = value if has_aux else (value, None)
+    return loss, (aux, new_model_state)
 
   return loss_with_state
 
 
-def _step_with_state(loss_fn, optimizer, has_aux, average_over, grad_options):
+def _step_with_state(grad_fn, optimizer, has_aux, average_over):
   """The step of a model with state; `average_over` is None or the data axes
   to average the new state over."""
-  grad_fn = scaling.scaled_value_and_grad(
-      _with_state_as_aux(loss_fn, has_aux), has_aux=True, **grad_options)
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
-    new_loss_scale, finite, (loss, extra), grads, *flags = grad_fn(
-        loss_scale, params, model_state, *args, **kwargs)
-    if has_aux:
-      aux, new_model_state = extra
-      value = (loss, aux)
-    else:
-      value, new_model_state = loss, extra
+    new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
+        grad_fn(loss_scale, params, model_state, *args, **kwargs))
+    value = (loss, aux) if has_aux else loss
     if average_over is not None:
       new_model_state = distributed.average_value(
           new_model_state, average_over, jnp.float32)
