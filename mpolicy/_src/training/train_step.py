@@ -115,7 +115,27 @@ def make_train_step(
   `params` (the first argument of `loss_fn`), then `update_if_finite`: on a
   non-finite step params and every leaf of `opt_state` are returned
   bit-for-bit unchanged and the loss scale backs off. Jit it (or `pmap` /
-  `shard_map` it with `axis_name`) yourself.
+  `shard_map` it with `axis_name`) yourself, donating params and optimizer
+  state (`jax.jit(step, donate_argnums=(0, 1))`): the update then writes in
+  place and the step holds the gradients beyond its inputs, about what a
+  hand-written step without skipping holds.
+
+  With `microbatches=k` the step accumulates gradients: the batch
+  arguments are split along their leading axis into `k` microbatches,
+  strided (microbatch `i` holds rows `i, i + k, ...`, so a batch sharded
+  along that axis splits without communication), which run one after
+  another in a `lax.scan` under one loss scale (the step holds one
+  microbatch's activations). Their unscaled gradients are summed in float32
+  (half gradients never accumulate in half), the mean is reduced across
+  devices once (with `axis_name`) and the optimizer applied once. The loss
+  scale adjusts once per attempt; a non-finite gradient in any microbatch
+  skips the whole step (params, optimizer state and model state come back
+  bit for bit); with `max_retries` the whole step is redone at the lower
+  scale. `value` is the mean of the microbatches' losses, aux that of the
+  last microbatch; model state is threaded through the microbatches in
+  order (BatchNorm's statistics are those of `k` batches `k` times
+  smaller). With a mean loss the update equals the one-batch update up to
+  rounding; `check_accumulation` measures it on your model.
 
   Args:
     loss_fn: `loss_fn(params, *args)` returns the loss (`(loss, aux)` with
@@ -142,6 +162,23 @@ def make_train_step(
       float16 params with stochastic rounding (no float32 copy): the step
       runs `stochastic_params(optimizer)`, so make `opt_state` with
       `stochastic_params(optimizer).init(params)`.
+    microbatches: how many microbatches to split the batch into (1: no
+      accumulation, the step as it was). It must divide the leading axis of
+      every batched array (of the local batch inside `pmap` /
+      `shard_map`); a `ValueError` names the argument it does not divide.
+    batch_argnums: which of `*args` (the data arguments after params and
+      model state) are batched; None for all of them. In those, every
+      array with an axis is split; 0-d arrays and typed PRNG keys are
+      passed whole (every microbatch gets the same key), as are keyword
+      arguments.
+    loss_reduction: `"mean"` (`loss_fn` returns a mean over the batch), or
+      `"sum_count"`: `loss_fn` returns `(sum, count)` (e.g. the summed
+      token losses and the number of tokens; `((sum, count), aux)` with
+      `has_aux`) and the step's gradient is that of the batch's
+      `sum / count` over all microbatches (and devices), however the
+      tokens fall into microbatches. Use it for token-mean losses with
+      padding or masks, where the mean of microbatch means is not the
+      batch's token mean. `value` is then the batch's `sum / count`.
 
   Returns:
     `step(params, opt_state, loss_scale, *args, **kwargs)`, or with
@@ -157,7 +194,17 @@ def make_train_step(
   >>> bool(out.grads_finite), float(out.value), out.params["w"].tolist()
   (True, 1.0, [0.10000000149011612, 0.10000000149011612])
 
-  See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
+  Four microbatches, the inputs donated:
+
+  >>> step = jax.jit(make_train_step(loss_fn, tx, microbatches=4),
+  ...                donate_argnums=(0, 1))
+  >>> out = step({"w": jnp.zeros(2)}, tx.init(params),
+  ...            mpolicy.DynamicLossScale(2. ** 15), jnp.ones((8, 2)))
+  >>> float(out.value), out.params["w"].tolist()
+  (1.0, [0.10000000149011612, 0.10000000149011612])
+
+  See also: `scaled_value_and_grad`, `update_if_finite`,
+  `check_accumulation`, `skip_nonfinite`.
   """
   where = "make_train_step"
   reduce_dtype, average_state = _warn_if_ignored(
