@@ -6,7 +6,8 @@ Adam, float32 and bf16 compute ("p=f32,c=bf16,o=f32", float32 params),
 prints `compiled.memory_analysis().temp_size_in_bytes` of the jitted step
 (what the step needs beyond its arguments and results) in bytes per
 parameter, with the params and optimizer state donated
-(`jax.jit(step, donate_argnums=(0, 1))`) and, at k = 1, without.
+(`jax.jit(step, donate_argnums=(0, 1))`) and, at k = 1, without (then
+plus the results, which need buffers of their own).
 
 Steps, all under `mpolicy.transform_amp` (one forward for all) and a
 `DynamicLossScale`:
@@ -51,15 +52,16 @@ POLICIES = {"float32": "full", "bf16 compute": "p=f32,c=bf16,o=f32"}
 KS = (1, 2, 4, 8)
 
 
-def mlp_model() -> bench_optimizer_memory.Model:
-  x = jnp.zeros((64, 1024))
+def mlp_model(width: int = 2048, batch: int = 64) -> bench_optimizer_memory.Model:
+  x = jnp.zeros((batch, width // 2))
 
   def loss(x):
-    out = hk.nets.MLP([2048, 2048, 2048, 1024])(x)
+    out = hk.nets.MLP([width] * 3 + [width // 2])(x)
     return jnp.mean((out.astype(jnp.float32) - 1.) ** 2)
 
   return bench_optimizer_memory.Model(
-      "MLP", "hk.nets.MLP 1024 -> 2048 x 3 -> 1024, batch 64", loss, x)
+      "MLP", f"hk.nets.MLP {width // 2} -> {width} x 3 -> {width // 2}, "
+      f"batch {batch}", loss, x)
 
 
 # --- The hand-written steps -----------------------------------------------------
@@ -70,15 +72,19 @@ def jmp_step(loss, tx):
 
   def step(params, opt_state, ls, batch):
     grads = jax.grad(lambda p: ls.scale(loss(p, batch)))(params)
-    grads = ls.unscale(grads)
-    finite = mpolicy.all_finite(grads)
-    updates, new_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = mpolicy.select_tree(
-        finite, (new_params, new_state), (params, opt_state))
-    return params, opt_state, ls.adjust(finite)
+    return select_update(tx, ls.unscale(grads), params, opt_state, ls)
 
   return step
+
+
+def select_update(tx, grads, params, opt_state, ls):
+  """jmp's skip: the update, then `select_tree` of new and old."""
+  finite = mpolicy.all_finite(grads)
+  updates, new_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  params, opt_state = mpolicy.select_tree(
+      finite, (new_params, new_state), (params, opt_state))
+  return params, opt_state, ls.adjust(finite)
 
 
 def plain_step(loss, tx):
@@ -109,12 +115,7 @@ def accumulating_step(loss, tx, k):
     acc, _ = lax.scan(body, zeros, micro)
     grads = jax.tree_util.tree_map(lambda a, p: (a / k).astype(p.dtype), acc,
                                    params)
-    finite = mpolicy.all_finite(grads)
-    updates, new_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = mpolicy.select_tree(
-        finite, (new_params, new_state), (params, opt_state))
-    return params, opt_state, ls.adjust(finite)
+    return select_update(tx, grads, params, opt_state, ls)
 
   return step
 
@@ -124,9 +125,13 @@ def accumulating_step(loss, tx, k):
 
 def temp_per_param(step: Callable[..., Any], args: tuple, count: int,
                    donate: bool) -> float:
+  """XLA temp per parameter; without donation, plus the results (they
+  cannot be written into the arguments' buffers)."""
   compiled = jax.jit(step, donate_argnums=(0, 1) if donate else ()).lower(
       *args).compile()
-  return compiled.memory_analysis().temp_size_in_bytes / count
+  stats = compiled.memory_analysis()
+  fresh = stats.output_size_in_bytes - stats.alias_size_in_bytes
+  return (stats.temp_size_in_bytes + (0 if donate else fresh)) / count
 
 
 def measure(model: bench_optimizer_memory.Model, policy: str,
@@ -153,7 +158,7 @@ def measure(model: bench_optimizer_memory.Model, policy: str,
       add("make_train_step", k,
           mpolicy.make_train_step(loss, tx, microbatches=k))
       if k == 1:
-        add("make_train_step, not donated", k,
+        add("make_train_step, not donated (+ new results)", k,
             mpolicy.make_train_step(loss, tx), donate=False)
         add("jmp (select_tree)", k, jmp_step(loss, tx))
         add("hand-written, no skip", k, plain_step(loss, tx))

@@ -106,6 +106,9 @@ for k in KS:
   out = fn(params, tx.init(params), ls,
            *(a.reshape((8, 8) + a.shape[1:]) for a in batch))
   compare(f"pmap k={k}", jax.tree_util.tree_map(lambda a: a[0], out), ref)
+  _, inside = collectives(fn, params, tx.init(params), ls,
+                          *(a.reshape((8, 8) + a.shape[1:]) for a in batch))
+  facts[f"pmap k={k} collectives inside"] = inside
 
 fsdp = {"w1": P(None, "d"), "b1": P("d"), "w2": P("d"), "b2": P()}
 for name, specs in (("jit", {n: P() for n in params}), ("jit fsdp", fsdp))[
@@ -206,10 +209,12 @@ check = mpolicy.check_accumulation(
     microbatches=(2, 8) if FULL else (8,))
 facts["check runs"] = list(check.runs)
 facts["check max"] = check.max_ulps()
+facts["largest"] = max(max(facts[r][q] for q in ("params", "grads", "value"))
+                      for r in facts["runs"])
 print("FACTS=" + json.dumps(facts))
 '''
 
-FOUR_ULPS = 4
+FEW_ULPS = 8  # Measured: at most 3 (jax 0.10.2 and 0.12).
 
 
 def test_every_mode_and_k_gives_the_one_device_step(eight_devices):
@@ -218,9 +223,9 @@ def test_every_mode_and_k_gives_the_one_device_step(eight_devices):
   for run in runs:
     fact = eight_devices[run]
     assert fact["finite"], run
-    assert fact["params"] <= FOUR_ULPS and fact["grads"] <= FOUR_ULPS, (
+    assert fact["params"] <= FEW_ULPS and fact["grads"] <= FEW_ULPS, (
         run, fact)
-    assert fact["value"] <= FOUR_ULPS, (run, fact)
+    assert fact["value"] <= FEW_ULPS, (run, fact)
 
 
 def test_gradients_are_reduced_once_after_the_microbatches(eight_devices):
@@ -231,6 +236,10 @@ def test_gradients_are_reduced_once_after_the_microbatches(eight_devices):
       assert fact["inside"] == []  # No collective in the microbatch loop.
       # As many reductions, once per step, as without accumulation.
       assert len(fact["outside"]) == len(one["outside"]) > 0
+
+
+def test_pmap_reduces_after_the_microbatches_too(eight_devices):
+  assert eight_devices["pmap k=8 collectives inside"] == []
 
 
 def test_half_gradients_are_reduced_in_float32(eight_devices):
@@ -245,7 +254,7 @@ def test_model_state_is_threaded_and_averaged_once(eight_devices):
   for vma in eight_devices["state runs"]:
     fact = eight_devices[f"state vma={vma}"]
     assert fact["steps"] == 4  # An int counter comes back invariant.
-    assert fact["mean"] <= FOUR_ULPS  # As on one device with k=4.
+    assert fact["mean"] <= FEW_ULPS  # As on one device with k=4.
     assert fact["differs from k=1"] > 1000
 
 
@@ -259,4 +268,4 @@ def test_check_accumulation_compares_across_devices(eight_devices):
   runs = eight_devices["check runs"]
   assert "k=8" in runs and "8 devices, k=1" in runs
   assert "8 devices, k=8" in runs
-  assert eight_devices["check max"] <= FOUR_ULPS
+  assert eight_devices["check max"] <= FEW_ULPS

@@ -32,3 +32,8 @@ def test_the_sweep_covers_every_mode(eight_devices):
     assert {f"{mode} k={k}" for k in (1, 2, 8)} <= runs
   assert {"pmap k=1", "pmap k=8", "shard_map fsdp k=2"} <= runs
   assert sorted(eight_devices["state runs"]) == [False, True]
+
+
+def test_pmap_reduces_after_the_microbatches_at_every_k(eight_devices):
+  for k in (1, 2, 8):
+    assert eight_devices[f"pmap k={k} collectives inside"] == []
