@@ -117,8 +117,13 @@ for name, specs in (("jit", {n: P() for n in params}), ("jit fsdp", fsdp))[
             for n, v in params.items()}
   data = [jax.device_put(a, NamedSharding(mesh, P("d"))) for a in batch]
   for k in KS:
-    compare(f"{name} k={k}",
-            jax.jit(step(k))(placed, tx.init(placed), ls, *data), ref)
+    jitted = jax.jit(step(k))
+    compare(f"{name} k={k}", jitted(placed, tx.init(placed), ls, *data), ref)
+  if name == "jit":  # Where XLA put the gradient sums: in the loop, on CPU.
+    hlo = jitted.lower(placed, tx.init(placed), ls, *data).compile().as_text()
+    facts["jit all-reduces in the loop"] = sum(
+        1 for line in hlo.splitlines()
+        if " all-reduce(" in line and "/while/body/" in line)
 
 # FSDP inside shard_map: each device holds a shard of w1 and w2 and gathers
 # them; AD's reduce-scatter of their gradients runs in each microbatch.
@@ -236,6 +241,12 @@ def test_gradients_are_reduced_once_after_the_microbatches(eight_devices):
       assert fact["inside"] == []  # No collective in the microbatch loop.
       # As many reductions, once per step, as without accumulation.
       assert len(fact["outside"]) == len(one["outside"]) > 0
+
+
+def test_under_jit_xla_reduces_inside_the_loop_on_cpu(eight_devices):
+  # What the docs say: under jax.jit with NamedSharding, XLA:CPU sums each
+  # microbatch's gradients inside the scan (shard_map sums once).
+  assert eight_devices["jit all-reduces in the loop"] >= 1
 
 
 def test_pmap_reduces_after_the_microbatches_too(eight_devices):

@@ -16,6 +16,8 @@ from test_accumulation_devices import (  # pylint: disable=unused-import
     test_every_mode_and_k_gives_the_one_device_step,
     test_gradients_are_reduced_once_after_the_microbatches,
     test_half_gradients_are_reduced_in_float32,
+    test_pmap_reduces_after_the_microbatches_too,
+    test_under_jit_xla_reduces_inside_the_loop_on_cpu,
     test_model_state_is_threaded_and_averaged_once,
 )
 
