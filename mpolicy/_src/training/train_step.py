@@ -150,10 +150,13 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`; `axis_name` names the data axes only.
+      `reduce_dtype` (float32 by default) passed without `axis_name` does
+      nothing and warns.
     average_state: with `has_state` and `axis_name`, average the floating
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
       `shard_map(out_specs=P())` accepts it). Integer leaves are kept.
+      Passed without `has_state` and `axis_name`, it warns.
     attribute_overflow: also return which parameters' gradients were not
       finite, as flags in `TrainStepResult.nonfinite` (one bool scalar per
       parameter, computed on device; no host sync); the result's
