@@ -23,8 +23,8 @@ def test_char_transformer_microbatches_must_divide_the_batch(tmp_path):
   assert ("--microbatches must be at least 1 and divide --batch_size" in err)
 
 
-@pytest.mark.parametrize("flag", [
-    "", pytest.param("--shard_map", marks=pytest.mark.slow)])
+@pytest.mark.slow  # Two trainings on 8 devices; the 8-device tests cover k.
+@pytest.mark.parametrize("flag", ["", "--shard_map"])
 def test_data_parallel_accumulates_over_microbatches(tmp_path, flag):
   rc, out, err = run_example(
       "data_parallel", "--steps=2", "--batch_size=32", "--microbatches=2",
