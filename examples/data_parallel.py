@@ -11,6 +11,9 @@ An MLP with BatchNorm on scikit-learn's digits (no download), trained with
   over 'data', the finiteness flag agreed, BatchNorm's running statistics
   averaged (BatchNorm normalises with each device's own batch statistics,
   as under `pmap`).
+* `--microbatches=k` (any mode): each batch runs as k strided microbatches
+  with float32 gradient sums and one update (`make_train_step(...,
+  microbatches=k)`); the one-device run uses the same k.
 
 On CPU the devices are simulated (8 unless `XLA_FLAGS` already sets
 `--xla_force_host_platform_device_count`). Run it as a file from any
@@ -40,6 +43,7 @@ if not _ASKED:
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" {_COUNT}=8"
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -68,6 +72,11 @@ flags.DEFINE_integer("process_id", None, "Set by --num_processes for the "
                      "processes it starts.")
 flags.DEFINE_string("coordinator_address", None, "Set by --num_processes "
                     "for the processes it starts.")
+flags.DEFINE_integer(
+    "microbatches", 1, "Accumulate gradients over this many microbatches "
+    "per batch (1: none); divides each device's share of --batch_size.")
+flags.register_validator("microbatches", lambda k: k >= 1,
+                         message="--microbatches must be at least 1.")
 
 HIDDEN = 64
 
@@ -107,7 +116,8 @@ def train(mesh, data, mode):
     step = make_shard_map_step(mesh, loss_fn, tx, params, opt_state,
                                loss_scale)
   else:
-    step = jax.jit(mpolicy.make_train_step(loss_fn, tx, has_state=True))
+    step = jax.jit(mpolicy.make_train_step(
+        loss_fn, tx, has_state=True, microbatches=FLAGS.microbatches))
   if mode in ("jit", "fsdp", "shard_map"):
     put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
     if mode == "fsdp":
@@ -144,7 +154,8 @@ def feed(mesh, rows):
 
 def make_shard_map_step(mesh, loss_fn, tx, params, opt_state, loss_scale):
   step = mpolicy.make_train_step(loss_fn, tx, has_state=True,
-                                 axis_name="data")
+                                 axis_name="data",
+                                 microbatches=FLAGS.microbatches)
   rep = lambda tree: jax.tree.map(lambda _: P(), tree)
 
   def body(params, state, opt_state, loss_scale, x, y):
@@ -218,6 +229,11 @@ def main() -> None:
   n = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("data",))
   mode = "shard_map" if FLAGS.shard_map else "fsdp" if FLAGS.fsdp else "jit"
+  if FLAGS.batch_size % (n * FLAGS.microbatches):
+    raise app.UsageError(
+        f"--microbatches={FLAGS.microbatches} must divide each device's "
+        f"share of --batch_size={FLAGS.batch_size} over {n} devices: use a "
+        f"batch size that is a multiple of {n * FLAGS.microbatches}.")
   one_loss, one_params = train(None, data, "one")  # Each process alone.
   loss, params = train(mesh, data, mode)
   diff = max(float(np.max(np.abs(whole(a) - whole(b)))) for a, b in zip(

@@ -68,6 +68,8 @@ from mpolicy._src.training.attribution import nonfinite_flags
 from mpolicy._src.training.attribution import nonfinite_paths
 
 from mpolicy._src.training.train_step import make_train_step
+from mpolicy._src.training.accumulation_check import AccumulationCheck
+from mpolicy._src.training.accumulation_check import check_accumulation
 from mpolicy._src.training.train_step import TrainStepResult
 
 from mpolicy._src.training.stochastic_rounding import stochastic_round
@@ -86,6 +88,7 @@ from mpolicy._src.checkpoint_manager import CheckpointManager
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumulationCheck",
     "CheckpointManager",
     "DEFAULT_RULES",
     "DynamicLossScale",
@@ -108,6 +111,7 @@ __all__ = (
     "apply_updates_stochastic",
     "cast_to_full",
     "cast_to_half",
+    "check_accumulation",
     "clear_policies",
     "clear_policy",
     "current_policy",

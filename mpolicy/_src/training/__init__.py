@@ -8,10 +8,15 @@
 * `attribution`: `nonfinite_flags` / `nonfinite_paths`, which leaves
   overflowed.
 * `train_step`: `make_train_step`, all of the above in one step.
+* `microbatches`, `accumulation`: `make_train_step(microbatches=k)`, the
+  strided split and one loss-scaled step over k microbatches;
+  `accumulation_check`: `check_accumulation`, which measures it in ulps.
 * `state_dtypes`, `stochastic_rounding`, `half_params`: optimizer state and
   half params stored narrow, written with stochastic rounding.
 """
 
+from mpolicy._src.training.accumulation_check import AccumulationCheck
+from mpolicy._src.training.accumulation_check import check_accumulation
 from mpolicy._src.training.attribution import nonfinite_flags
 from mpolicy._src.training.attribution import nonfinite_paths
 from mpolicy._src.training.half_params import apply_updates_stochastic

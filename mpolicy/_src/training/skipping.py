@@ -181,10 +181,13 @@ def update_if_finite(
 ) -> tuple[PyTree, PyTree]:
   """One optimizer step, applied only if `grads_finite`; else nothing changes.
 
-  Computes the update with any optax `optimizer`, applies it, then selects
-  (`select_tree`) the new params and state if `grads_finite`, else the old
-  ones: on a non-finite step params and every leaf of `opt_state` come back
-  bit-for-bit as they went in, whatever the optimizer. Since the whole state
+  Computes the update with any optax `optimizer` and applies it if
+  `grads_finite` (a `lax.cond`), else returns the old params and state: on
+  a non-finite step params and every leaf of `opt_state` come back
+  bit-for-bit as they went in, whatever the optimizer. With the params and
+  state donated (`jax.jit(step, donate_argnums=...)`), the update writes in
+  place: the step holds the gradients, not a second copy of the params and
+  state (a select of the new and old trees would). Since the whole state
   is kept, the counters of a `skip_nonfinite` inside `optimizer` do not
   count skipped steps: use either this or `skip_nonfinite`, not both.
 
@@ -215,8 +218,18 @@ def update_if_finite(
   """
   optimizer = optax.with_extra_args_support(optimizer)
   grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-  updates, new_state = optimizer.update(
-      grads, opt_state, params, grads_finite=grads_finite, **extra_args)
-  new_params = optax.apply_updates(params, updates)
-  return (loss_scale_lib.select_tree(grads_finite, new_params, params),
-          loss_scale_lib.select_tree(grads_finite, new_state, opt_state))
+
+  def update(operands):
+    grads, opt_state, params = operands
+    updates, new_state = optimizer.update(
+        grads, opt_state, params, grads_finite=grads_finite, **extra_args)
+    return optax.apply_updates(params, updates), new_state
+
+  def keep(operands):
+    _, opt_state, params = operands
+    return distributed.vary_like((params, opt_state), update, operands)
+
+  # A cond, not a select of old and new: with the inputs donated, the update
+  # then writes in place, and the step holds no second copy of the params
+  # and state.
+  return lax.cond(grads_finite, update, keep, (grads, opt_state, params))
