@@ -34,6 +34,10 @@ from mpolicy._src.registry import policy_for
 from mpolicy._src.registry import push_policy
 from mpolicy._src.registry import set_policy
 
+from mpolicy._src.class_lookup import explain_policy
+from mpolicy._src.class_lookup import PolicyExplanation
+from mpolicy._src.module_calls import current_policy
+
 from mpolicy._src.op_rules import DEFAULT_RULES
 from mpolicy._src.op_rules import OpRules
 
@@ -55,13 +59,10 @@ from mpolicy._src.training.stochastic_rounding import stochastic_round
 # first use (see `__getattr__`), so `import mpolicy` loads none of those
 # packages; type checkers and IDEs read the imports here.
 if _typing.TYPE_CHECKING:
-  from mpolicy._src.haiku_bridge import current_policy
   from mpolicy._src.haiku_bridge import HaikuPolicyWarning
   from mpolicy._src.haiku_bridge import transform_amp
   from mpolicy._src.haiku_bridge import transform_amp_with_state
   from mpolicy._src.haiku_bridge import with_policies
-  from mpolicy._src.haiku_registry import explain_policy
-  from mpolicy._src.haiku_registry import PolicyExplanation
 
   from mpolicy._src.training.skipping import skip_nonfinite
   from mpolicy._src.training.skipping import SkipNonFiniteState
@@ -90,13 +91,10 @@ _ORBAX = ("orbax.checkpoint", "orbax-checkpoint")
 
 # Lazy name -> (the module that defines it, the package it needs).
 _LAZY = {
-    "current_policy": ("mpolicy._src.haiku_bridge", _HAIKU),
     "HaikuPolicyWarning": ("mpolicy._src.haiku_bridge", _HAIKU),
     "transform_amp": ("mpolicy._src.haiku_bridge", _HAIKU),
     "transform_amp_with_state": ("mpolicy._src.haiku_bridge", _HAIKU),
     "with_policies": ("mpolicy._src.haiku_bridge", _HAIKU),
-    "explain_policy": ("mpolicy._src.haiku_registry", _HAIKU),
-    "PolicyExplanation": ("mpolicy._src.haiku_registry", _HAIKU),
     "skip_nonfinite": ("mpolicy._src.training.skipping", _OPTAX),
     "SkipNonFiniteState": ("mpolicy._src.training.skipping", _OPTAX),
     "update_if_finite": ("mpolicy._src.training.skipping", _OPTAX),
