@@ -416,3 +416,45 @@ def test_the_checker_finds_a_circle_but_not_a_package_import(tmp_path):
   assert circles(graph) == [["a", "b"]]
   assert _circle_text(graph, ["a", "b"]) == (
       "mpolicy/_src/a.py:1 imports b\n    mpolicy/_src/b.py:4 imports a")
+
+
+# --- tests/rules mirrors mpolicy/_src/rules -----------------------------------
+
+_TESTS = pathlib.Path(__file__).parent
+
+# Test files still named for what they check rather than for their family,
+# and the family each belongs to; families tested outside tests/rules.
+_OLDER_NAMES = {
+    "test_callbacks": "special",
+    "test_grad_rules": "matmul",  # and conv: their transposes.
+    "test_residuals": "half_storage",
+    "test_fp8_sharding": "fp8_mesh",
+    "test_rule_tables": "facts",
+}
+_TESTED_ELSEWHERE = {"fp8_probe": "tests/test_fp8_stats.py",
+                     "conv": "tests/rules/test_grad_rules.py"}
+
+
+def _family_of(test: str, families: set[str]) -> str | None:
+  """The family ``test_<family>[_<aspect>]`` names (longest first)."""
+  if test in _OLDER_NAMES:
+    return _OLDER_NAMES[test]
+  name = test[len("test_"):]
+  for family in sorted(families, key=len, reverse=True):
+    if name == family or name.startswith(family + "_"):
+      return family
+  return None
+
+
+def test_each_rules_test_file_is_named_for_its_family_and_each_family_has_one():
+  families = {p.stem for p in (_SRC / "rules").glob("*.py")} - {"__init__"}
+  tests = {p.stem for p in (_TESTS / "rules").glob("test_*.py")}
+  owner = {test: _family_of(test, families) for test in sorted(tests)}
+  stray = sorted(t for t, f in owner.items() if f not in families)
+  assert not stray, (
+      f"tests/rules/{stray[0]}.py names no file of mpolicy/_src/rules: call "
+      "it test_<family>.py or test_<family>_<aspect>.py after the family "
+      f"it checks ({sorted(families)}).")
+  untested = families - set(owner.values()) - set(_TESTED_ELSEWHERE)
+  assert not untested, f"No tests/rules/test_<family>.py for {untested}."
+  assert set(_OLDER_NAMES) <= tests  # The table names no stale file.
