@@ -108,8 +108,8 @@ class Framework:
   def owns(self, cls: type) -> bool:
     """Whether ``cls`` is a module class of this framework."""
     base = self.root()
-    return base is not None and isinstance(cls, type) and issubclass(cls,
-                                                                     base)
+    return (base is not None and isinstance(cls, type)
+            and issubclass(cls, base))
 
   @property
   def class_policies(self) -> bool:
