@@ -119,39 +119,20 @@ def _check_outputs(fn, out) -> None:
           "values from outside it.")
 
 
-_NNX_SPLIT_MERGE = """\
-  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-
-  def forward(params, stats, x):
-    model = nnx.merge(graphdef, params, stats)
-    return model(x), nnx.state(model, nnx.BatchStat)
-
-  y, stats = mpolicy.amp(forward, policy)(params, stats, x)
-  nnx.update(model, stats)"""
-
-
 def _trace_user_fn(flat_fn, in_avals):
   """Traces the user's function; explains what amp cannot trace.
 
-  A Flax NNX module closed over by the function cannot update its own
-  variables (BatchNorm statistics) inside amp's trace, which is a new trace
-  level: Flax raises `TraceContextError`. That becomes a `TypeError` showing
-  the split/merge form, which passes the state in and out explicitly.
+  An error a framework raises there (a Flax NNX module closed over by the
+  function updating its variables) becomes the framework bridge's clearer
+  one (see `frameworks.explained`).
   """
   try:
     return jax_compat.trace_to_closed_jaxpr(flat_fn, in_avals)
   except Exception as e:  # pylint: disable=broad-except
-    if (type(e).__name__ != "TraceContextError"
-        or not type(e).__module__.startswith("flax")):
+    better = frameworks.explained(e)
+    if better is None:
       raise
-    raise TypeError(
-        "amp: the function updates a Flax NNX variable that was created "
-        f"outside the amp call ({e}). amp traces the function on its own, so "
-        "a module it closes over cannot update its state (e.g. BatchNorm "
-        "statistics) in place. Pass the state in and out explicitly with "
-        "nnx.split / nnx.merge (split off every variable type it updates, "
-        "e.g. also nnx.RngState for dropout):\n\n"
-        + _NNX_SPLIT_MERGE) from e
+    raise better from e
 
 
 def interpret(fn: Callable[..., Any], *, policy=None,

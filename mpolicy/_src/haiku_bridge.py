@@ -2,10 +2,10 @@
 
 Four Haiku hooks do the work while the forward function is traced:
 
-- a method interceptor resolves the policy of each module call (via
-  `haiku_registry`), casts its floating inputs to the compute dtype, tags
-  the call's region for the interpreter, and casts its floating outputs to
-  the output dtype;
+- a method interceptor (the `module_calls.Interceptor` every framework
+  shares) resolves the policy of each module call, casts its floating
+  inputs to the compute dtype, tags the call's region for the interpreter,
+  and casts its floating outputs to the output dtype;
 - a creator makes parameters and state in the param dtype;
 - a getter hands parameters and state to the module in the compute dtype;
 - a setter stores state (e.g. BatchNorm's moving averages) back in the param
@@ -31,10 +31,9 @@ import haiku as hk
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
-from mpolicy._src import jax_compat
-from mpolicy._src import haiku_registry
+from mpolicy._src import frameworks
+from mpolicy._src import module_calls
 from mpolicy._src import op_rules as op_rules_lib
-from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
 
@@ -53,50 +52,6 @@ def _answer_warningregistry_on_flax_stand_in() -> None:
 
 
 _answer_warningregistry_on_flax_stand_in()
-
-
-_CALLS = regions.CallStack()  # The module calls being traced.
-
-
-def _innermost() -> Optional[regions.Region]:
-  return _CALLS.innermost()
-
-
-def current_policy() -> Optional[policy_lib.Policy]:
-  """The policy in force in the module call being traced, else ``None``.
-
-  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
-  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=f32")
-  >>> class Probe(hk.Linear):
-  ...   def __call__(self, x):
-  ...     print(mpolicy.current_policy())
-  ...     return super().__call__(x)
-  >>> f = mpolicy.transform_amp(lambda x: Probe(2)(x))
-  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
-  p=f32,c=bf16,o=f32
-  >>> mpolicy.current_policy() is None
-  True
-  >>> mpolicy.clear_policies()
-
-  See also: `explain_policy`, `set_policy`.
-  """
-  region = _innermost()
-  return region.policy if region is not None else None
-
-
-def _enclosing_region() -> Optional[regions.Region]:
-  """What governs the point of tracing where a module is about to be called.
-
-  Inside a module call that is the call's region. Outside any, it is the
-  innermost named scope a pattern matches, or a `full_precision()` block.
-  """
-  if _CALLS.active:
-    return _CALLS.innermost()
-  return registry.region_for_scopes(jax_compat.current_scope_names())
-
-
-def _in_full_precision() -> bool:
-  return regions.in_full_precision(jax_compat.current_scope_names())
 
 
 class HaikuPolicyWarning(UserWarning):
@@ -138,38 +93,19 @@ def _warn_if_haiku_policy(cls: type) -> None:
       HaikuPolicyWarning, stacklevel=2)
 
 
-def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
-  """Runs one module method under the policy the registry gives it."""
-  if context.method_name == "__init__":
-    return next_f(*args, **kwargs)  # Constructors take configuration.
-  module = context.module
-  _warn_if_haiku_policy(type(module))
-  enclosing = _enclosing_region()
-  if _in_full_precision() or (enclosing is not None
-                              and enclosing.full_precision):
-    region = None
-  else:
-    region = haiku_registry.region_for_module(module.module_name,
-                                              type(module), enclosing)
-  if region is None:
-    with _CALLS.entered(None):
-      return next_f(*args, **kwargs)
-  policy = region.policy
-  with regions.policy_casts("inputs"):
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-  with _CALLS.entered(region), regions.tagged(region):
-    out = next_f(*args, **kwargs)
-  if region.inherited:
-    # Part of the enclosing call: that call casts at its own boundary, so
-    # inner layers do not cast to the output dtype and straight back.
-    return out
-  with regions.policy_casts("outputs"):
-    return policy.cast_to_output(out)
+class _Interceptor(module_calls.Interceptor):
+  """The shared module-call steps, plus Haiku's own policy check."""
+
+  def before(self, module: hk.Module) -> None:
+    _warn_if_haiku_policy(type(module))
+
+
+_interceptor = _Interceptor(frameworks.HAIKU)
 
 
 def _creator(next_creator, shape, dtype, init, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is None or not dtypes.is_float(dtype):
     return next_creator(shape, dtype, init)
   return next_creator(shape, region.policy.param_dtype, init)
@@ -177,7 +113,7 @@ def _creator(next_creator, shape, dtype, init, context):
 
 def _getter(next_getter, value, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is not None:
     with regions.policy_casts("parameters"):
       value = region.policy.cast_to_compute(value)
@@ -186,7 +122,7 @@ def _getter(next_getter, value, context):
 
 def _setter(next_setter, value, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is not None:
     with regions.policy_casts("state"):
       value = region.policy.cast_to_param(value)

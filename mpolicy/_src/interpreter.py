@@ -36,6 +36,7 @@ from mpolicy._src import rules
 from mpolicy._src import staged
 from mpolicy._src import sub_computations
 from mpolicy._src import widen
+from mpolicy._src.rules import facts as facts_lib
 
 
 # --- The environment ----------------------------------------------------------
@@ -371,7 +372,7 @@ def _read_only_by_full(jaxpr, rules) -> set:
   for eqn in jaxpr.eqns:
     full = ((rules.class_of(eqn.primitive.name) == op_rules_lib.FULL
              and higher_order.rule_for(eqn.primitive) is None)
-            or (eqn.primitive is jax_compat.convert_element_type_p
+            or (facts_lib.of(eqn.primitive).casts
                 and jax_compat.cast_target(eqn)[0] == jnp.float32))
     for v in eqn.invars:
       if not isinstance(v, jax_compat.Literal):

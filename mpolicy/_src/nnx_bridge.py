@@ -18,7 +18,8 @@ does, through Flax's public graph API:
   returns comes back as the same object.
 
 Like the linen bridge, only `frameworks` loads this module, once the user
-has imported `flax.nnx`.
+has imported `flax.nnx`. NNX has no method hook, so NNX classes cannot key
+the registry: per-layer policies go through name patterns.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Optional
 
+from flax import errors as flax_errors
 from flax import nnx
 import jax
 
@@ -133,7 +135,31 @@ class Calls(threading.local):
     return isinstance(x, nnx.NodeStates)
 
 
-@contextlib.contextmanager
-def module_policies() -> Iterator[None]:
-  """NNX has no method hook: per-layer policies go through name patterns."""
-  yield
+_SPLIT_MERGE = """\
+  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+
+  def forward(params, stats, x):
+    model = nnx.merge(graphdef, params, stats)
+    return model(x), nnx.state(model, nnx.BatchStat)
+
+  y, stats = mpolicy.amp(forward, policy)(params, stats, x)
+  nnx.update(model, stats)"""
+
+
+def trace_error(error: Exception) -> Optional[TypeError]:
+  """What to raise instead of Flax's error in `amp`'s trace, if anything.
+
+  A module closed over by the function cannot update its own variables
+  (BatchNorm statistics) inside `amp`'s trace, which is a new trace level:
+  Flax raises `TraceContextError`. That becomes a `TypeError` showing the
+  split/merge form, which passes the state in and out explicitly.
+  """
+  if not isinstance(error, flax_errors.TraceContextError):
+    return None
+  return TypeError(
+      "amp: the function updates a Flax NNX variable that was created "
+      f"outside the amp call ({error}). amp traces the function on its own, "
+      "so a module it closes over cannot update its state (e.g. BatchNorm "
+      "statistics) in place. Pass the state in and out explicitly with "
+      "nnx.split / nnx.merge (split off every variable type it updates, "
+      "e.g. also nnx.RngState for dropout):\n\n" + _SPLIT_MERGE)

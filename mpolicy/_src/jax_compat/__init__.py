@@ -12,7 +12,8 @@
   (reached as ``jax_compat.survey``, for the tests).
 * `hijax`: JAX's next-generation constructs (``jax_scan3``,
   ``jax_remat3``, ``jax_custom_vjp3``, ``jax_custom_jvp3``), read and
-  rebuilt; reached as ``jax_compat.hijax`` (its names are per construct).
+  rebuilt; reached as ``jax_compat.hijax`` (its names are per construct),
+  and `jaxprs_in_params`, the sub-jaxprs of any equation's params.
 
 `internals`, `processes`, `remat`, `survey` and `hijax` are the modules
 that import JAX's private and extension modules. Supporting another JAX
@@ -32,6 +33,7 @@ from mpolicy._src.jax_compat import params as _params
 from mpolicy._src.jax_compat import processes as _processes
 from mpolicy._src.jax_compat import remat as _remat
 from mpolicy._src.jax_compat import hijax
+from mpolicy._src.jax_compat.hijax import jaxprs_in_params
 
 __all__ = [*_internals.__all__, *_params.__all__, *_processes.__all__,
-           *_remat.__all__]
+           *_remat.__all__, "jaxprs_in_params"]

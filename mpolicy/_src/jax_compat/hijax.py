@@ -251,6 +251,20 @@ def checkpoint_name_rebuild(obj, aval) -> Any:
 # --- What a construct carries -------------------------------------------------
 
 
+def jaxprs_in_params(params) -> list:
+  """The jaxprs (open or closed) found in an equation's params, those a
+  next-generation construct (``call_hi_primitive``'s object) holds
+  included."""
+  found = []
+  for value in params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        found.append(v)
+      elif is_construct(v):
+        found.extend(jaxprs_in(v))
+  return found
+
+
 def jaxprs_in(obj) -> list:
   """The jaxprs (open or closed) a construct holds, nested ones included."""
   found = []

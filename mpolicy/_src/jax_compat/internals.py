@@ -303,20 +303,6 @@ def primitives_named(names) -> list:
   return [found[n] for n in names if n in found]
 
 
-def jaxprs_in_params(params) -> list:
-  """The jaxprs (open or closed) found in an equation's params, those a
-  next-generation construct (``call_hi_primitive``'s object) holds
-  included."""
-  found = []
-  for value in params.values():
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
-      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
-        found.append(v)
-      elif _hijax.is_construct(v):
-        found.extend(_hijax.jaxprs_in(v))
-  return found
-
-
 def bind(primitive, args, params):
   """Binds ``primitive`` with eqn-style params (turns jaxprs into subfuns)."""
   return primitive.bind(*args, **primitive.get_bind_params(params))
@@ -486,10 +472,6 @@ def conv_batch(batched_args, batch_dims, **params):
       None, batched_args, batch_dims, **params)
 
 
-# Last: `hijax` reads this module's names when it is called, not imported.
-from mpolicy._src.jax_compat import hijax as _hijax  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-
 __all__ = [
     "aval_of",
     "bind",
@@ -527,7 +509,6 @@ __all__ = [
     "eqn_context_under",
     "eqn_scope_names",
     "gather_p",
-    "jaxprs_in_params",
     "jit_p",
     "loaded_primitives",
     "linear_solve_p",

@@ -239,7 +239,7 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
                                      and x_dtype == jnp.float32))):
       continue
     x = env.cast(x, store)  # A parameter is used in the compute dtype.
-    if facts_.scales and (i == 0 or eqn.primitive is jax.lax.mul_p):
+    if facts_.scales and (i == 0 or facts_.commutes):
       size = np.prod(eqn.outvars[0].aval.shape)
       if np.size(x) < size and np.size(s) < size:
         # Both operands spread along the result (``scale * rsqrt(var)``):
@@ -369,6 +369,9 @@ facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
 # Products and quotients: a small relative error whatever the operands'
 # magnitudes (no cancellation).
 facts.register(("mul", "div"), scales=True)
+
+# Operations whose two operands may trade places.
+facts.register(("add", "add_any", "mul", "max", "min"), commutes=True)
 
 # Sums and differences: a bfloat16 value offset by a float32 statistic
 # spread along it (``x - mean(x)``) computes in float32, stored in bfloat16.

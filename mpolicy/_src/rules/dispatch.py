@@ -33,7 +33,8 @@ from mpolicy._src.rules import kernels
 from mpolicy._src.rules import special
 
 
-def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
+def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
+        region: Optional[regions.Region],
         names: tuple[str, ...], quiet: bool = False) -> list:
   """Runs one first-order equation by its rules; records it for `explain`.
 
@@ -41,7 +42,7 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
     env: the environment of the enclosing jaxpr.
     eqn: the equation.
     invals: its input values.
-    rules: the `OpRules` table in force.
+    rules: the op-rule table in force (a `RuleTable`: an `OpRules`).
     region: what governs it (``None``: nothing).
     names: its scope names (for the recorded row and policy casts).
     quiet: if ``True``, nothing is recorded.

@@ -60,7 +60,8 @@ def _convert(op: base.Op) -> Optional[list]:
   return [op.env.cast(op.args[0], new_dtype)]
 
 
-facts.register(jax_compat.convert_element_type_p, special=_convert)
+facts.register(jax_compat.convert_element_type_p, special=_convert,
+               casts=True)
 
 
 def _reinterpret(op: base.Op) -> list:
@@ -111,7 +112,7 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
     return [op.env.cast(o, dtypes.dtype_of(x))
             for o in base.bind(op.eqn, [wide, *op.args[1:]])]
   compute = op.half_compute()
-  if (op.prim is jax_compat.gather_p and compute is not None
+  if (op.facts.looks_up and compute is not None
       and op.env.is_param(x) and dtypes.float_value(x)
       and not dtypes.is_double(dtypes.dtype_of(x))
       and dtypes.dtype_of(x).itemsize > compute.itemsize):
@@ -127,3 +128,4 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
 
 facts.register((jax_compat.broadcast_in_dim_p, jax_compat.gather_p),
                special=_in_wider_source)
+facts.register(jax_compat.gather_p, looks_up=True)
