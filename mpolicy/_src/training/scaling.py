@@ -63,7 +63,8 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
     raise TypeError(
         "scaled_value_and_grad: cannot differentiate with respect to "
         "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
-        "leaves (float16, bfloat16, float32, float64) and complex ones are "
+        "leaves (float8, float16, bfloat16, float32, float64) and complex "
+        "ones are "
         "accepted in the arguments named by argnums; pass integer data (step "
         "counts, token ids) through another argument, or cast it to a float "
         "dtype.")
@@ -224,6 +225,13 @@ def scaled_value_and_grad(
   read-back of the loop condition, and a program that holds the backward
   twice (longer compiles): use it where overflows are frequent enough that
   skipped steps cost more.
+
+  Float8 parameters (float8_e4m3fn, float8_e5m2) get float8 gradients,
+  unscaled in float32 and rounded back to float8 (the loss scales' own
+  casts never saturate: past the largest finite value is inf, or nan in
+  float8_e4m3fn). JAX's differentiation makes the scaled float8 gradient;
+  where it overflows (inf or nan on CPU) the step is flagged and the scale
+  backs off.
 
   Complex parameters are differentiated, unscaled, averaged and checked
   for inf/NaN like real ones, but their gradients always come back in their
