@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 
@@ -582,6 +583,41 @@ jax.tree_util.register_pytree_node(
 jax.tree_util.register_pytree_node_class(DynamicLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def require_loss_scale(x: Any, who: str, call: str) -> None:
+  """Raises a `TypeError` unless ``x`` is a loss scale.
+
+  A loss scale is one of the three classes, or any object with their
+  `scale`, `unscale` and `adjust` methods (such as jmp's). A number or an
+  array is not: the message says which class holds it. Anything else is
+  most often a forgotten loss scale (the arguments shifted by one).
+
+  Args:
+    x: what was passed as the loss scale.
+    who: the function that got it, e.g. ``"scaled_value_and_grad"``.
+    call: how the function is called, e.g. ``"g(loss_scale, *args)"``.
+
+  >>> require_loss_scale(2. ** 15, "step", "step(loss_scale, x)")
+  Traceback (most recent call last):
+  ...
+  TypeError: step: loss_scale must be a loss scale (mpolicy.NoOpLossScale(), StaticLossScale(value) or DynamicLossScale(value)), got 32768.0 (float); call it as step(loss_scale, x). To scale by this number, pass StaticLossScale(32768.0), or DynamicLossScale(32768.0) to adjust it as training goes.
+  """
+  if all(callable(getattr(x, m, None)) for m in ("scale", "unscale", "adjust")):
+    return
+  if isinstance(x, (int, float, np.generic)) and not isinstance(x, bool):
+    hint = (f" To scale by this number, pass StaticLossScale({x!r}), or "
+            f"DynamicLossScale({x!r}) to adjust it as training goes.")
+  elif getattr(x, "dtype", None) is not None and np.ndim(x) == 0:
+    hint = (" To scale by this number, wrap it: StaticLossScale(x), or "
+            "DynamicLossScale(x) to adjust it as training goes.")
+  else:
+    hint = (" Was the loss scale left out? It comes before the other "
+            "arguments; pass NoOpLossScale() for no scaling.")
+  raise TypeError(
+      f"{who}: loss_scale must be a loss scale (mpolicy.NoOpLossScale(), "
+      "StaticLossScale(value) or DynamicLossScale(value)), got "
+      f"{arguments.describe(x)}; call it as {call}.{hint}")
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes as dtypes_lib
 from mpolicy._src.training import stochastic_rounding
 
@@ -132,6 +133,7 @@ def stochastic_params(
   See also: `apply_updates_stochastic`, `with_state_dtypes`,
   `master_weights`.
   """
+  arguments.require_transformation(inner, "stochastic_params", "inner")
   inner = optax.with_extra_args_support(inner)
 
   def init(params):

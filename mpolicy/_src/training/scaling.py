@@ -16,6 +16,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import _trees
@@ -267,8 +268,11 @@ def scaled_value_and_grad(
     unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
-    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
-    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+    TypeError, ValueError: at once, if `fun` is not callable or
+      `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if its first argument is not a
+      loss scale (a number, an array, or a forgotten loss scale: the message
+      names `loss_scale` and the classes), if `fun` returns a non-scalar
       or non-floating loss, or if a leaf of a differentiated argument is not
       floating point (the message names each offending leaf).
 
@@ -283,6 +287,8 @@ def scaled_value_and_grad(
   See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
   `DynamicLossScale`.
   """
+  arguments.require_callable(fun, "scaled_value_and_grad", "fun",
+                             "the loss function")
   max_retries = _check_max_retries(max_retries)
   nums = (argnums + 1 if isinstance(argnums, int)
           else tuple(i + 1 for i in argnums))
@@ -290,6 +296,9 @@ def scaled_value_and_grad(
                      reduce_dtype)
 
   def g(loss_scale: LossScale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "scaled_value_and_grad",
+        "scaled_value_and_grad(fun)(loss_scale, *args)")
     _check_differentiable(args, argnums)
     grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
     # A loss scale without array leaves (NoOp, Static) cannot back off inside

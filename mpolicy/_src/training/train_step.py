@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import attribution
@@ -123,6 +124,12 @@ def make_train_step(
     `has_state` `step(params, model_state, opt_state, loss_scale, *args,
     **kwargs)`, returning a `TrainStepResult`.
 
+  Raises:
+    TypeError: at once, if `loss_fn` is not callable or `optimizer` is not
+      an optax transformation; when the step is called, if `loss_scale` is
+      not a loss scale (a number, an array, or left out: the message names
+      `loss_scale` and the loss-scale classes).
+
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
   >>> tx = optax.sgd(0.1)
@@ -134,6 +141,9 @@ def make_train_step(
 
   See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
   """
+  arguments.require_callable(loss_fn, "make_train_step", "loss_fn",
+                             "the loss function")
+  arguments.require_transformation(optimizer, "make_train_step", "optimizer")
   optimizer = half_params.for_param_rounding(optimizer, param_rounding)
   grad_options = dict(
       axis_name=axis_name, reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
@@ -151,6 +161,9 @@ def _step(loss_fn, optimizer, has_aux, grad_options):
                                           **grad_options)
 
   def step(params, opt_state, loss_scale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step",
+        "step(params, opt_state, loss_scale, *args)")
     new_loss_scale, finite, value, grads, *flags = grad_fn(
         loss_scale, params, *args, **kwargs)
     new_params, new_opt_state = skipping.update_if_finite(
@@ -189,6 +202,9 @@ def _step_with_state(loss_fn, optimizer, has_aux, average_over, grad_options):
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step(has_state=True)",
+        "step(params, model_state, opt_state, loss_scale, *args)")
     new_loss_scale, finite, (loss, extra), grads, *flags = grad_fn(
         loss_scale, params, model_state, *args, **kwargs)
     if has_aux:
