@@ -9,8 +9,10 @@ custom_vjp) over two (4, 4) inputs. Two properties are checked:
 * under the policy ``full``, `amp(f)` is bitwise ``f`` under `jit`, `grad`
   and `jvp`;
 * under ``bf16`` and ``f16`` compute policies, `amp(f)` under `jit`, `grad`,
-  `vmap`, `jvp` and `jacfwd` stays within a bounded error of ``f`` in
-  float32 and makes no NaN or inf where ``f`` is finite.
+  `vmap`, `jvp` and `jacfwd` stays within a relative error of ``f`` in
+  float32 (norm-wise, per output, in units of the compute dtype's unit
+  roundoff: see `fuzz_programs._TOLERANCE`) and makes no NaN or inf where
+  ``f`` is finite.
 
 The generator tracks a bound on every value's magnitude and only picks an
 operation whose result stays within ``_LIMIT`` (so float16 cannot overflow
@@ -80,6 +82,17 @@ def test_programs_are_reproducible_and_varied():
   assert str(_program(5)) == str(_program(5))
   ops = {s.op for seed in range(40) for s in _program(seed).steps}
   assert set(_HIGHER_ORDER) <= ops and {"dot", "exp", "select"} <= ops
+
+
+def test_error_is_relative_so_a_wrong_small_output_fails():
+  want = np.full(4, 0.01, np.float32)
+  # 50% off: an absolute tolerance of 0.1 would let it through.
+  assert _err(1.5 * want, want) == pytest.approx(0.5)
+  assert _err(1.5 * want, want) > max(_TOLERANCE.values())
+  assert _err(1.5e3 * want, 1e3 * want) == pytest.approx(0.5)  # Scale-free.
+  assert _err(want, want) == 0.0
+  zeros = np.zeros(3, np.float32)
+  assert _err(zeros, zeros) == 0.0 and _err(zeros + 1e-30, zeros) == np.inf
 
 
 @pytest.mark.parametrize("seed", _seeds(_SHORT))
@@ -175,13 +188,14 @@ def check_x64_mix(seed: int) -> None:
       got, want = jax.jit(amped)(x, w), jax.jit(f)(x, w)
       assert got.dtype == want.dtype == jnp.float32
       assert _err(got, want) <= _TOLERANCE[policy], _describe(
-          seed, program, f"x64 {policy}: error {_err(got, want):.4f}")
+          seed, program, f"x64 {policy}: relative error "
+          f"{_err(got, want):.3g}")
       grad = lambda fn: jax.jit(jax.grad(_loss(fn, r), argnums=(0, 1)))(x, w)
       for a, b in zip(grad(amped), grad(f)):
         assert a.dtype == b.dtype == jnp.float32
         assert np.all(np.isfinite(a)) and _err(a, b) <= _TOLERANCE[policy], (
-            _describe(seed, program, f"x64 {policy} grad: error "
-                      f"{_err(a, b):.4f}"))
+            _describe(seed, program, f"x64 {policy} grad: relative error "
+                      f"{_err(a, b):.3g}"))
       assert same_bits(jax.jit(mpolicy.amp(f, "full"))(x, w), want)
 
 
