@@ -218,6 +218,8 @@ def test_lesson_counts_the_logit_gradients_float16_flushes():
     ("char_transformer", "--attention_policy=c=f17",
      "flag --attention_policy=c=f17:"),
     ("loss_scaling_lesson", "--d_model=10", "--d_model must be a multiple"),
+    ("optimizer_lesson", "--modes=master,sr",
+     "--modes must be a comma-separated, non-empty subset of ('master', "),
     ("digits_cnn", "--plot=/dev/null/plots/x.png", "cannot write into"),
     ("digits_cnn", "--plot=.", "is a folder; give a file name"),
 ])
