@@ -279,10 +279,10 @@ def _first_order(op: str, a, b, extra, raw):
     return _callback_tanh(m)
   if op == "dot64":  # float32 @ a closed-over float64 constant.
     w64 = np.random.default_rng(extra).uniform(-1, 1, _SHAPE)
-    return (jnp.matmul(a, w64, precision=HI) * 0.25).astype(jnp.float32)
+    return (jnp.matmul(a, w64, precision=HI) * 0.25).astype(a.dtype)
   if op == "add64":
     c64 = np.random.default_rng(extra).uniform(-1, 1, _SHAPE)
-    return (a + c64).astype(jnp.float32)
+    return (a + c64).astype(a.dtype)
   if op == "const":  # A closed-over float32 numpy constant.
     return a + np.random.default_rng(extra).uniform(-1, 1, _SHAPE).astype(
         np.float32)
@@ -400,7 +400,7 @@ def _describe(seed: int, program: Program, what: str) -> str:
 
 
 def _loss(fn, r):
-  return lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * r)
+  return lambda x, w: jnp.sum(fn(x, w).astype(r.dtype) * r)
 
 
 _FORWARD_ONLY = ("jit", "vmap", "jvp", "jacfwd")
@@ -518,7 +518,7 @@ def _reference(seed: int, mode: str, ops: tuple[str, ...]):
   want = _runner(mode, seed)(f)
   run64 = _runner(mode, seed, jnp.float64)
   with jax.enable_x64(True):
-    exact = run64(f)
+    exact = jax.block_until_ready(run64(f))
   moved = _runner(mode, seed, jitter=_F32_U)(f)
   return want, max(_norm(_diff(want, exact)),
                    _norm(_diff(moved, want))) / _F32_U
