@@ -18,6 +18,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import frameworks
 from mpolicy._src import interpreter
@@ -159,6 +160,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   Returns:
     The interpreted function, marked so that `explain` recognises it.
   """
+  arguments.require_callable(fn, "amp", "fn", "the function to run under "
+                             "the op rules: a JAX function, a Flax apply, an "
+                             "Equinox module")
   rules = op_rules_lib.default_rules() if rules is None else rules
   if not isinstance(rules, op_rules_lib.OpRules):
     raise TypeError(f"rules must be an OpRules table, got {rules!r}")
@@ -202,6 +206,8 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   after the call, and the output. Object state (there and in the output)
   keeps the dtypes it was traced in, for the caller to write back.
   """
+  if pol is not None:
+    policy_lib.require_x64(pol, f"amp(policy={pol})")
   out_trees, castable = [], []
 
   def flat_fn(*arrs):
@@ -282,6 +288,13 @@ def amp(fn: Callable[..., Any], policy=None, *,
     different types (``2`` and ``2.0``, ``1`` and ``True``) are never
     mistaken for each other. An output that is not an array, a Python
     number or a bool raises a `TypeError` naming its place in the output.
+
+  Raises:
+    TypeError: at once, if ``fn`` is not callable or ``rules`` is not an
+      `OpRules`; ``ValueError`` for a malformed ``policy``.
+    ValueError: when traced, if a policy that governs it (``policy`` or a
+      registry entry) names float64 while ``jax_enable_x64`` is off: JAX
+      would compute float32; the message says how to turn x64 on.
 
   See also: `full_precision`, `OpRules`, `explain`, `transform_amp`.
   """

@@ -159,6 +159,7 @@ def region_for_call(name: str, cls: type,
   cls_name = registry.key_name(cls)
 
   def region(policy, decided_by, inherited=False):
+    policy_lib.require_x64(policy, f"module {name!r} ({decided_by})")
     return regions.Region(policy=policy, decided_by=decided_by,
                           module_name=name, module_class=cls_name,
                           inherited=inherited)

@@ -459,6 +459,9 @@ def region_for_scopes(names: tuple[str, ...],
       scope = "/".join(path)
       patterns = matching_patterns(scope, table)
       if patterns:
+        policy_lib.require_x64(table[patterns[0]],
+                               f"named scope {scope!r} (pattern "
+                               f"{patterns[0]!r})")
         region = regions.Region(policy=table[patterns[0]],
                                 decided_by=f"pattern {patterns[0]!r}",
                                 module_name=scope, inherited=True)

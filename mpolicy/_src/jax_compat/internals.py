@@ -184,8 +184,28 @@ def manual_axes_context(mesh, manual: frozenset,
     yield
 
 
+# Primitive names that only some supported JAX versions define: name ->
+# (first version that has it, first version that no longer has it), None
+# for open ends. Every other name mpolicy looks up (here and in the rule
+# registrations) must exist in the installed JAX: a test checks
+# `absent_primitive_names()` against this list, so a misspelt or removed
+# name cannot be skipped silently.
+VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {}
+
+_absent: set[str] = set()
+
+
+def absent_primitive_names() -> frozenset[str]:
+  """The primitive names looked up (by `primitives_named` and at import)
+  that the installed JAX does not define."""
+  return frozenset(_absent)
+
+
 def _optional(module, name):
-  return getattr(module, name, None)
+  found = getattr(module, name, None)
+  if found is None:
+    _absent.add(f"{module.__name__}.{name}")
+  return found
 
 
 broadcast_in_dim_p = jax.lax.broadcast_in_dim_p
@@ -213,8 +233,7 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "scatter_p"), _optional(jax.lax, "scatter_add_p"),
         _optional(jax.lax, "scatter_sub_p"), _optional(jax.lax, "scatter_mul_p"),
         _optional(jax.lax, "scatter_min_p"), _optional(jax.lax, "scatter_max_p"),
-        _optional(jax.lax, "scatter_apply_p"), _optional(jax.lax, "reduce_p"),
-        _optional(jax.lax, "reduce_window_p"),
+        _optional(jax.lax, "reduce_p"), _optional(jax.lax, "reduce_window_p"),
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
     ) if p is not None)
@@ -298,8 +317,10 @@ def primitive_names(packages=("jax",)) -> frozenset[str]:
 
 def primitives_named(names) -> list:
   """The `Primitive` objects of JAX's with these names; names the
-  installed JAX does not define are left out."""
+  installed JAX does not define are left out (and recorded: see
+  `absent_primitive_names`)."""
   found = _primitives(("jax",))
+  _absent.update(n for n in names if n not in found)
   return [found[n] for n in names if n in found]
 
 
@@ -473,6 +494,7 @@ def conv_batch(batched_args, batch_dims, **params):
 
 
 __all__ = [
+    "absent_primitive_names",
     "aval_of",
     "bind",
     "bitcast_convert_type_p",
@@ -532,6 +554,7 @@ __all__ = [
     "AUTODIFF_TRACERS",
     "user_source",
     "varying_axes",
+    "VERSION_SPECIFIC_PRIMITIVES",
     "while_p",
     "with_dtype",
     "with_sharding",

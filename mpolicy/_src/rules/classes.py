@@ -383,11 +383,11 @@ facts.register("broadcast_in_dim", spreads=True)
 # Re-arrangements of (part of) their first operand: a parameter reshaped,
 # broadcast, transposed or sliced is still a parameter.
 facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
-                "expand_dims", "slice", "dynamic_slice", "gather", "rev",
-                "copy", "copy_p", "device_put", "sharding_constraint"),
+                "slice", "dynamic_slice", "gather", "rev", "copy",
+                "device_put", "sharding_constraint"),
                keeps_param=True)
 
 # Re-shapings of their first operand: a broadcast scalar constant (a mask's
 # fill value) is still that constant, and follows the arrays it meets.
-facts.register(("broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-                "copy", "copy_p"), keeps_constant=True)
+facts.register(("broadcast_in_dim", "reshape", "squeeze", "copy"),
+               keeps_constant=True)

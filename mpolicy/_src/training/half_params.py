@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes as dtypes_lib
 from mpolicy._src.training import stochastic_rounding
 
@@ -150,6 +151,7 @@ def stochastic_params(
   See also: `apply_updates_stochastic`, `with_state_dtypes`,
   `master_weights`.
   """
+  arguments.require_transformation(inner, "stochastic_params", "inner")
   inner = optax.with_extra_args_support(inner)
   stochastic_rounding.check_vary_over(vary_over, "stochastic_params")
 

@@ -16,6 +16,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import _trees
@@ -63,7 +64,8 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
     raise TypeError(
         "scaled_value_and_grad: cannot differentiate with respect to "
         "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
-        "leaves (float16, bfloat16, float32, float64) and complex ones are "
+        "leaves (float8, float16, bfloat16, float32, float64) and complex "
+        "ones are "
         "accepted in the arguments named by argnums; pass integer data (step "
         "counts, token ids) through another argument, or cast it to a float "
         "dtype.")
@@ -238,6 +240,13 @@ def scaled_value_and_grad(
   twice (longer compiles): use it where overflows are frequent enough that
   skipped steps cost more.
 
+  Float8 parameters (float8_e4m3fn, float8_e5m2) get float8 gradients,
+  unscaled in float32 and rounded back to float8 (the loss scales' own
+  casts never saturate: past the largest finite value is inf, or nan in
+  float8_e4m3fn). JAX's differentiation makes the scaled float8 gradient;
+  where it overflows (inf or nan on CPU) the step is flagged and the scale
+  backs off.
+
   Complex parameters are differentiated, unscaled, averaged and checked
   for inf/NaN like real ones, but their gradients always come back in their
   own dtype: `grad_dtype` and `reduce_dtype` apply to real floating leaves.
@@ -273,8 +282,11 @@ def scaled_value_and_grad(
     unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
-    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
-    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+    TypeError, ValueError: at once, if `fun` is not callable or
+      `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if its first argument is not a
+      loss scale (a number, an array, or a forgotten loss scale: the message
+      names `loss_scale` and the classes), if `fun` returns a non-scalar
       or non-floating loss, or if a leaf of a differentiated argument is not
       floating point (the message names each offending leaf).
 
@@ -289,11 +301,16 @@ def scaled_value_and_grad(
   See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
   `DynamicLossScale`.
   """
+  arguments.require_callable(fun, "scaled_value_and_grad", "fun",
+                             "the loss function")
   max_retries = _check_max_retries(max_retries)
   attempt = _attempt(_scaled_loss(fun, has_aux), argnums, grad_dtype, axis_name,
                      reduce_dtype)
 
   def g(loss_scale: LossScale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "scaled_value_and_grad",
+        "scaled_value_and_grad(fun)(loss_scale, *args)")
     _check_differentiable(args, argnums)
     grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
     # A loss scale without array leaves (NoOp, Static) cannot back off inside

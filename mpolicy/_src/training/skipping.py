@@ -22,6 +22,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import _trees
@@ -98,6 +99,7 @@ def skip_nonfinite(
 
   See also: `update_if_finite`, `scaled_value_and_grad`.
   """
+  arguments.require_transformation(inner, "skip_nonfinite", "inner")
   inner = optax.with_extra_args_support(inner)
 
   def init(params):
@@ -216,6 +218,7 @@ def update_if_finite(
   See also: `skip_nonfinite` (the same as a transformation),
   `make_train_step`.
   """
+  arguments.require_transformation(optimizer, "update_if_finite", "optimizer")
   optimizer = optax.with_extra_args_support(optimizer)
   grads_finite = jnp.asarray(grads_finite, jnp.bool_)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import accumulation
@@ -188,6 +189,12 @@ def make_train_step(
     `has_state` `step(params, model_state, opt_state, loss_scale, *args,
     **kwargs)`, returning a `TrainStepResult`.
 
+  Raises:
+    TypeError: at once, if `loss_fn` is not callable or `optimizer` is not
+      an optax transformation; when the step is called, if `loss_scale` is
+      not a loss scale (a number, an array, or left out: the message names
+      `loss_scale` and the loss-scale classes).
+
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
   >>> tx = optax.sgd(0.1)
@@ -209,6 +216,9 @@ def make_train_step(
   See also: `scaled_value_and_grad`, `update_if_finite`,
   `check_accumulation`, `skip_nonfinite`.
   """
+  arguments.require_callable(loss_fn, "make_train_step", "loss_fn",
+                             "the loss function")
+  arguments.require_transformation(optimizer, "make_train_step", "optimizer")
   where = "make_train_step"
   reduce_dtype, average_state = _warn_if_ignored(
       reduce_dtype, average_state, axis_name, has_state)
@@ -261,6 +271,9 @@ def _step(grad_fn, optimizer):
   """The step of a model without state."""
 
   def step(params, opt_state, loss_scale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step",
+        "step(params, opt_state, loss_scale, *args)")
     new_loss_scale, finite, value, grads, *flags = grad_fn(
         loss_scale, params, *args, **kwargs)
     new_params, new_opt_state = skipping.update_if_finite(
@@ -295,6 +308,9 @@ def _step_with_state(grad_fn, optimizer, has_aux, average_over):
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step(has_state=True)",
+        "step(params, model_state, opt_state, loss_scale, *args)")
     new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
         grad_fn(loss_scale, params, model_state, *args, **kwargs))
     value = (loss, aux) if has_aux else loss
