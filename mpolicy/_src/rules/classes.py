@@ -154,7 +154,7 @@ def _as_written(op: base.Op) -> list:
   half inputs included. Disagreeing inputs meet at the widest."""
   op.rule = base.AS_WRITTEN
   if op.region is None or op.region.full_precision:
-    op.why = "full_precision()"
+    op.why = op.region.decided_by if op.region else "full_precision()"
   else:
     # Values the rules outside made narrower than the code had them (a
     # half matmul's result entering a `full` region) are read as the code
@@ -244,7 +244,7 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
         or not (x_dtype == store or (env.is_param(x)
                                      and x_dtype == jnp.float32))):
       continue
-    if facts_.scales and (i == 0 or eqn.primitive is jax.lax.mul_p):
+    if facts_.scales and (i == 0 or facts_.commutes):
       op.why += ("; a bfloat16 value scaled by a float32 statistic: in "
                  "bfloat16, the statistic rounded once")
       # A parameter is used in the compute dtype (broadcast first where it
@@ -278,7 +278,7 @@ def _offset_in_parts(op: base.Op, x, s, i: int, store: np.dtype):
   lo = env.cast(staged.bind(jax.lax.sub_p, s, rounded), store)
   op.args = [x, hi][::1 if i == 0 else -1]
   (y,) = base.bind(eqn, op.args)
-  if eqn.primitive is jax.lax.sub_p and i == 1:  # (hi - x) + lo
+  if i == 1 and not op.facts.commutes:  # s - x: (hi - x) + lo
     return staged.bind(jax.lax.add_p, y, lo)
   return base.bind(eqn, [y, lo])[0]  # (x + hi) + lo, (x - hi) - lo
 
@@ -398,6 +398,9 @@ facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
 # magnitudes (no cancellation).
 facts.register(("mul", "div"), scales=True)
 
+# Operations whose two operands may trade places.
+facts.register(("add", "add_any", "mul", "max", "min"), commutes=True)
+
 # Sums and differences: a bfloat16 value offset by a float32 statistic
 # spread along it (``x - mean(x)``) subtracts it exactly, stored in bfloat16.
 facts.register(("add", "sub"), offsets=True)
@@ -408,11 +411,11 @@ facts.register("broadcast_in_dim", spreads=True)
 # Re-arrangements of (part of) their first operand: a parameter reshaped,
 # broadcast, transposed or sliced is still a parameter.
 facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
-                "expand_dims", "slice", "dynamic_slice", "gather", "rev",
-                "copy", "copy_p", "device_put", "sharding_constraint"),
+                "slice", "dynamic_slice", "gather", "rev", "copy",
+                "device_put", "sharding_constraint"),
                keeps_param=True)
 
 # Re-shapings of their first operand: a broadcast scalar constant (a mask's
 # fill value) is still that constant, and follows the arrays it meets.
-facts.register(("broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-                "copy", "copy_p"), keeps_constant=True)
+facts.register(("broadcast_in_dim", "reshape", "squeeze", "copy"),
+               keeps_constant=True)
