@@ -59,9 +59,12 @@ def readme():
   model, params, state, x = ns["model"], ns["params"], ns["state"], ns["x"]
   facts["haiku"] = mpolicy.explain(model.apply, params, state, None, x, True)
   # A step whose gradients are not finite (a NaN input).
+  # The README's step donates its first three arguments: it gets copies, so
+  # the originals stay readable for the comparison.
   before = (params, state, ns["opt_state"], ns["loss_scale"])
+  copies = jax.tree.map(jnp.copy, before)
   facts["nan_step"] = before, ns["train_step"](
-      *before, x.at[0, 0, 0, 0].set(jnp.nan), ns["y"])
+      *copies, x.at[0, 0, 0, 0].set(jnp.nan), ns["y"])
   ns = facts["ns"] = after[-1]  # The quickstart of any JAX function.
   fast, weights, inputs = ns["fast"], ns["weights"], ns["inputs"]
   facts["fast"] = mpolicy.explain(fast, weights, inputs)
