@@ -10,15 +10,19 @@ Adam step, four ways:
   amp(apply)   `mpolicy.amp` over a plain `hk.transform`'s apply.
 
 Each run clears JAX's caches and builds a fresh step, then times
-`jax.jit(step).trace(...)`, `.lower()` and `.compile()` separately; the
-variants are interleaved within each repeat so machine noise hits them alike,
-and medians are reported with ratios to jmp measured in the same run. Per
-variant it also prints the jaxpr's equation count (sub-jaxprs included), the
-number of `Primitive.bind` calls during one trace, the optimized HLO's
-instruction count, XLA's temp memory, and the trace + lower cost per layer
-(the difference between the two depths divided by the layers added).
+`jax.jit(step).trace(...)`, `.lower()` and `.compile()` separately, in
+process CPU time (`time.process_time`: what a shared machine's other work
+does not add) next to wall time; the variants are interleaved within each
+repeat so machine noise hits them alike. Ratios to jmp are taken within
+each repeat (same depth, measured moments apart) and reported as the
+median and the range over repeats. Per variant it also prints the jaxpr's
+equation count (sub-jaxprs included), the number of `Primitive.bind` calls
+during one trace, the optimized HLO's instruction count, XLA's temp memory,
+and the trace + lower CPU time per layer (the difference between the
+shallowest and the deepest model divided by the layers added).
 
   python benchmarks/bench_trace.py                   # 12 and 24 layers
+  python benchmarks/bench_trace.py --layers=12,24,48 --repeats=3 --no_compile
   python benchmarks/bench_trace.py --layers=2,4 --repeats=1 --d_model=64 \
       --seq=32 --vocab=256                           # a smoke run
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -119,12 +124,14 @@ def measure(variant, config, layers, tokens, compile_it: bool):
     params = init(jax.random.PRNGKey(0), tokens)
     opt_state = tx.init(params)
     jitted = jax.jit(make_step(loss, tx))
-    t0 = time.perf_counter()
+    gc.collect()  # Each variant starts from a collected heap.
+    t0, c0 = time.perf_counter(), time.process_time()
     traced = jitted.trace(params, opt_state, tokens)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     lowered = traced.lower()
-    t2 = time.perf_counter()
-    out = {"trace": t1 - t0, "lower": t2 - t1}
+    t2, c2 = time.perf_counter(), time.process_time()
+    out = {"trace": t1 - t0, "lower": t2 - t1,
+           "trace cpu": c1 - c0, "lower cpu": c2 - c1}
     if compile_it:
       compiled = lowered.compile()
       out["compile"] = time.perf_counter() - t2
@@ -161,11 +168,35 @@ def eager_overhead(repeats: int = 200) -> dict[str, float]:
   return out
 
 
+def _ratios(runs, v, d, key: Callable[[dict], float]) -> list[float]:
+  """``key`` of variant ``v`` over jmp's, within each repeat at depth ``d``."""
+  return [key(r) / key(j) for r, j in zip(runs[v, d], runs["jmp", d])]
+
+
+def _fmt_range(xs: list[float]) -> str:
+  """`median (min-max)` of ratios; the median alone for one value."""
+  if len(xs) == 1:
+    return f"{xs[0]:.2f}"
+  return f"{report_util.med(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def _cpu(r: dict) -> float:
+  return r["trace cpu"] + r["lower cpu"]
+
+
+def _wall(r: dict) -> float:
+  return r["trace"] + r["lower"]
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--layers", default="12,24",
-                      help="two comma-separated depths")
+                      help="comma-separated depths (per-layer cost: first "
+                      "to last)")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--no_compile", action="store_true",
+                      help="skip the compile and the counts (one compile "
+                      "per variant and depth, in the first repeat)")
   parser.add_argument("--d_model", type=int, default=512)
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--seq", type=int, default=256)
@@ -178,47 +209,54 @@ def main(argv=None) -> None:
   for v in variants:
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
+  if "jmp" not in variants:
+    parser.error("the ratios are to jmp: include it in --variants")
   print("## Trace, lower and compile time against jmp\n")
   print(training_cpu.machine_header())
   print(f"\nGPT d_model {config.d_model}, {config.heads} heads, seq "
         f"{config.seq}, batch {config.batch}, vocab {config.vocab}; a jitted "
-        f"Adam step; medians of {config.repeats}.")
+        f"Adam step; {config.repeats} repeats. Times are medians; ratios to "
+        "jmp are taken within each repeat: median (range).")
   tokens = jax.random.randint(jax.random.PRNGKey(1),
                               (config.batch, config.seq + 1), 0, config.vocab)
   runs = {(v, d): [] for v in variants for d in depths}
   for repeat in range(config.repeats):
     for d in depths:
       for v in variants:
-        runs[v, d].append(measure(v, config, d, tokens, repeat == 0))
-  med = lambda v, d, k: report_util.med([r[k] for r in runs[v, d] if k in r])
-  tl = lambda v, d: report_util.med(
-      [r["trace"] + r["lower"] for r in runs[v, d]])
+        compile_it = repeat == 0 and not config.no_compile
+        runs[v, d].append(measure(v, config, d, tokens, compile_it))
+  med = lambda v, d, k: report_util.med([r[k] for r in runs[v, d]])
   for d in depths:
     print(f"\n### {d} layers\n")
-    print("| variant | trace s | lower s | trace + lower × jmp | compile s "
-          "| compile × jmp | jaxpr eqns | binds | HLO instructions "
-          "| XLA temp MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | trace CPU s | lower CPU s "
+          "| trace + lower CPU × jmp | trace + lower wall × jmp "
+          "| compile s | compile × jmp | jaxpr eqns | binds "
+          "| HLO instructions | XLA temp MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in variants:
-      first = runs[v, d][0]
-      ratio = (tl(v, d) / tl("jmp", d) if "jmp" in variants else np.nan)
-      cratio = (first["compile"] / runs["jmp", d][0]["compile"]
-                if "jmp" in variants else np.nan)
-      print(f"| {v} | {med(v, d, 'trace'):.3f} | {med(v, d, 'lower'):.3f} "
-            f"| {ratio:.2f} | {first['compile']:.2f} | {cratio:.2f} "
-            f"| {first['eqns']} | {first['binds']} | {first['hlo']} "
-            f"| {first['temp MiB']:.1f} |")
-  if len(depths) == 2:
-    lo, hi = depths
-    print(f"\n### trace + lower per layer ({lo} → {hi} layers)\n")
+      first, jmp_first = runs[v, d][0], runs["jmp", d][0]
+      if "compile" in first:
+        compiled = (f"{first['compile']:.2f} "
+                    f"| {first['compile'] / jmp_first['compile']:.2f} "
+                    f"| {first['eqns']} | {first['binds']} | {first['hlo']} "
+                    f"| {first['temp MiB']:.1f}")
+      else:
+        compiled = "- | - | - | - | - | -"
+      print(f"| {v} | {med(v, d, 'trace cpu'):.3f} "
+            f"| {med(v, d, 'lower cpu'):.3f} "
+            f"| {_fmt_range(_ratios(runs, v, d, _cpu))} "
+            f"| {_fmt_range(_ratios(runs, v, d, _wall))} | {compiled} |")
+  if len(depths) >= 2:
+    lo, hi = depths[0], depths[-1]
+    tl = lambda v, d: report_util.med([_cpu(r) for r in runs[v, d]])
+    print(f"\n### trace + lower CPU time per layer ({lo} → {hi} layers)\n")
     print(f"| variant | ms per layer, {lo} layers | ms per added layer "
           f"| × jmp per added layer |")
     print("|---|---|---|---|")
     per_added = {v: (tl(v, hi) - tl(v, lo)) / (hi - lo) for v in variants}
     for v in variants:
-      base = per_added.get("jmp", np.nan)
       print(f"| {v} | {1e3 * tl(v, lo) / lo:.1f} | {1e3 * per_added[v]:.1f} "
-            f"| {per_added[v] / base:.2f} |")
+            f"| {per_added[v] / per_added['jmp']:.2f} |")
   eager = eager_overhead()
   print("\n### eager calls: tanh(x @ w) on 8 x 8 arrays, µs per call\n")
   print("| f | amp(f) | amp(f) × f | jit(f) | jit(amp(f)) |")
@@ -226,6 +264,7 @@ def main(argv=None) -> None:
   print(f"| {eager['f']:.0f} | {eager['amp(f)']:.0f} "
         f"| {eager['amp(f)'] / eager['f']:.1f} | {eager['jit(f)']:.0f} "
         f"| {eager['jit(amp(f))']:.0f} |")
+  print(f"\nloadavg at the end {report_util.loadavg()}")
 
 
 if __name__ == "__main__":

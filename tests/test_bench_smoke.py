@@ -283,11 +283,15 @@ def test_trace_benchmark_reports_every_column_and_ratios_to_jmp():
   rows = [line.split("|")[1:-1] for line in out.splitlines()
           if line.startswith("| jmp |") or line.startswith("| transform_amp |")
           or line.startswith("| amp(apply) |")]
-  table_rows = [r for r in rows if len(r) == 10]  # the per-depth tables
+  table_rows = [r for r in rows if len(r) == 11]  # the per-depth tables
   assert len(table_rows) == 6, out
   for row in table_rows:
-    eqns, binds, hlo = (int(row[i]) for i in (6, 7, 8))
+    trace_cpu, lower_cpu = float(row[1]), float(row[2])
+    assert trace_cpu > 0 and lower_cpu > 0, row
+    eqns, binds, hlo = (int(row[i]) for i in (7, 8, 9))
     assert eqns > 0 and binds >= eqns and hlo > 0, row
   jmp_rows = [r for r in table_rows if r[0].strip() == "jmp"]
-  assert all(r[3].strip() == "1.00" for r in jmp_rows), jmp_rows
+  # CPU and wall ratios to jmp, taken within each repeat.
+  assert all(r[3].strip() == r[4].strip() == "1.00" for r in jmp_rows), jmp_rows
   assert "eager calls" in out and "per added layer" in out, out
+  assert "loadavg at the end" in out, out

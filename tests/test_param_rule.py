@@ -6,7 +6,8 @@ one is wider than the governing compute dtype and meets half values in an op
 without a rule, it is used in the compute dtype, as Haiku's policies cast
 parameters: ``x @ w + b`` adds the bias in half and the ReLU after it runs in
 half. Values that `full` ops made in float32 are not parameters and still
-promote: ``x - mean(x)`` stays float32.
+promote, or (under bfloat16) combine with half values by the rules for
+statistics: ``x - mean(x)`` subtracts the mean's two bfloat16 parts.
 """
 
 import jax
@@ -27,6 +28,11 @@ KEY = jax.random.PRNGKey(0)
 def _eqns(fn, *args, name):
   return [e for e in walk_eqns(jax.make_jaxpr(fn)(*args))
           if e.primitive.name == name]
+
+
+def _shaped(eqns, shape):
+  """The equations whose result has ``shape``."""
+  return [e for e in eqns if e.outvars[0].aval.shape == shape]
 
 
 def _in_dtypes(eqns):
@@ -67,17 +73,24 @@ def test_most_of_a_plain_mlp_runs_in_half():
   assert sum(r.ran_in == "bfloat16" for r in rows) >= 11
 
 
-def test_x_minus_mean_of_x_stays_float32():
+def test_x_minus_mean_of_x_is_not_cast_to_half_as_a_parameter_would_be():
+  # The float32 mean is no parameter: it is not rounded to bfloat16 and
+  # subtracted in one go (digits would cancel), but subtracted as its two
+  # bfloat16 parts (see the op rules' `_stored_half`).
   f = mpolicy.amp(lambda x: x - jnp.mean(x, -1, keepdims=True), HALF)
-  x = jax.random.normal(KEY, (4, 8))
-  subs = _in_dtypes(_eqns(f, x, name="sub"))
-  assert subs == [(F32, F32)]
-  # The same holds for a half activation: the float32 mean is not a
-  # parameter, so it still promotes.
+  x = 50 + jax.random.normal(KEY, (4, 8))
+  subs = _in_dtypes(_shaped(_eqns(f, x, name="sub"), (4, 8)))
+  assert subs == [(BF16, BF16)] * 2, subs
+  xb = np.asarray(x.astype(jnp.bfloat16), np.float32)
+  np.testing.assert_allclose(f(x), xb - np.asarray(x).mean(-1, keepdims=True),
+                             atol=2e-2)
+  # The same holds for a half activation.
   g = mpolicy.amp(lambda x, w: (lambda h: h - jnp.mean(h, -1, keepdims=True))(
       x @ w), HALF)
-  subs = _in_dtypes(_eqns(g, x, jnp.ones((8, 8)), name="sub"))
-  assert subs == [(F32, F32)]
+  subs = _in_dtypes(_shaped(_eqns(g, x, jnp.eye(8), name="sub"), (4, 8)))
+  assert subs == [(BF16, BF16)] * 2, subs
+  np.testing.assert_allclose(g(x, jnp.eye(8)),
+                             xb - xb.mean(-1, keepdims=True), atol=2e-2)
 
 
 def test_reshaped_transposed_and_sliced_params_are_still_params():
@@ -111,8 +124,11 @@ def test_float32_activation_into_a_nested_jit_is_no_param():
   inner = jax.jit(lambda h, m: h - m)
   f = mpolicy.amp(lambda x, w: inner(x @ w, jnp.mean(x @ w, -1,
                                                         keepdims=True)), HALF)
-  subs = _eqns(f, jnp.ones((4, 8)), jnp.ones((8, 16)), name="sub")
-  assert [jnp.dtype(e.outvars[0].aval.dtype) for e in subs] == [F32]
+  subs = _shaped(_eqns(f, jnp.ones((4, 8)), jnp.ones((8, 16)), name="sub"),
+                 (4, 16))
+  # Not rounded and subtracted once, as a parameter would be: subtracted
+  # as the two bfloat16 parts of the float32 statistic.
+  assert [jnp.dtype(e.outvars[0].aval.dtype) for e in subs] == [BF16, BF16]
 
 
 def test_without_a_policy_params_promote_as_written():

@@ -122,6 +122,11 @@ class Env:
       return np.asarray(x).astype(dtype)
     key = (id(x), dtype)
     hit = self._casts.get(key)
+    if callable(hit):  # A cheaper way to the same values (`precast`).
+      hit = self._casts[key] = hit()
+      self._keep.append(hit)
+      self._wider[id(hit)] = x
+      self.inserted += 1
     if hit is not None:
       return hit
     value = self._consts.get(id(x)) if narrows else None
@@ -143,9 +148,27 @@ class Env:
         self._wider[id(y)] = x
     return y
 
+  def precast(self, x, dtype, make) -> None:
+    """Records that ``make()`` gives ``x`` as ``dtype`` (with the values of
+    a cast); `cast` calls it if ``x`` is ever cast to ``dtype``."""
+    if dtypes.is_traced(x):
+      self._casts[(id(x), np.dtype(dtype))] = make
+      self._keep.append(x)
+
   def wider_source(self, x):
     """The wider float value ``x`` was cast down from here, else ``x``."""
-    return self._wider.get(id(x), x)
+    wide = self._wider.get(id(x), x)
+    if callable(wide):  # Made when first asked for (see `mark_wider`).
+      wide = self._wider[id(x)] = wide()
+      self._keep.append(wide)
+    return wide
+
+  def mark_wider(self, x, make_source) -> None:
+    """Records that ``x`` is ``make_source()`` cast down; the source is
+    made only if `wider_source` asks for it."""
+    if dtypes.is_traced(x):
+      self._wider[id(x)] = make_source
+      self._keep.append(x)
 
 
 # --- Configuration of one run -------------------------------------------------

@@ -210,20 +210,29 @@ class Policy:
   output_dtype: Any
 
   def __post_init__(self):
-    for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      _as_float_dtype(getattr(self, field), field)
+    key = tuple(_as_float_dtype(getattr(self, field), field)
+                for field in ("param_dtype", "compute_dtype", "output_dtype"))
+    # The dtypes, normalised once: a deep model compares and hashes its
+    # policies tens of thousands of times per trace.
+    object.__setattr__(self, "_dtypes", key)
+    object.__setattr__(self, "_hash", hash(key))
 
   def _key(self) -> tuple[np.dtype, np.dtype, np.dtype]:
-    return (np.dtype(self.param_dtype), np.dtype(self.compute_dtype),
-            np.dtype(self.output_dtype))
+    return self._dtypes
 
   def __eq__(self, other):
+    if self is other:
+      return True
     if not isinstance(other, Policy):
       return NotImplemented
-    return self._key() == other._key()
+    return self._dtypes == other._dtypes
 
   def __hash__(self):
-    return hash(self._key())
+    return self._hash
+
+  def __reduce__(self):  # Rebuilt by the constructor (a hash is per process).
+    return (type(self), (self.param_dtype, self.compute_dtype,
+                         self.output_dtype))
 
   def __repr__(self):
     p, c, o = (dt.name for dt in self._key())

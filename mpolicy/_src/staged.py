@@ -2,19 +2,19 @@
 
 Under `jax.grad` JAX linearizes a primitive bound on its own afresh at
 every bind: it traces the primitive's JVP rule into a small jaxpr and
-partially evaluates it. A deep model re-bound by the interpreter pays that
-once per equation per layer. A ``jax.jit(..., inline=True)`` call of the
-same primitive is linearized once per signature instead: JAX caches the
-linearization of a jit's jaxpr (as it does for the `jax.numpy` functions
-that are jits), and inlines the call where it is staged, so the program is
-the same equations as a plain bind. `bind` takes that route where an
-operand carries an autodiff tracer, and binds plainly elsewhere.
+partially evaluates it. The interpreter re-binds every equation of a deep
+model, so it would pay that once per equation per layer. `bind` and `call`
+go through `jax_compat.linearized_call` instead where an operand is being
+linearized: the linearization is made once per (primitive, params, avals)
+and every later bind stages the stored forward and tangent equations, the
+same equations a plain bind gives. Elsewhere they bind plainly.
 
-Where JAX keeps an inline jit's call in the jaxpr until it lowers it (JAX
-0.12), the route would leave a `jit` equation per bind in every jaxpr and
-saves no time (measured on a 12-layer GPT's `amp(apply)` trace, JAX 0.12,
-2026-11-24: 1.28 s staged, 1.18 s plain): there `active()` is ``False``
-and every bind is plain.
+Measured on a 12-layer GPT's jitted Adam step under `transform_amp`
+(JAX 0.12, 2026-11-25): 1,238 fresh linearizations per trace bound
+plainly, 92 with this route. An earlier route, a cached inline `jax.jit`
+per bind, did the same on JAX 0.10 but left a `jit` equation per bind on
+JAX 0.12, and spent a third of the interpreter's time in `jit`'s own
+linearization rule.
 
 >>> import jax, jax.numpy as jnp
 >>> eqn = jax.make_jaxpr(jnp.sin)(0.0).eqns[0]
@@ -30,13 +30,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import jax
-
 from mpolicy._src import jax_compat
 
 # Primitives bound plainly: those with effects or named (mesh) axes, those
 # that place or shard values, and those that make or touch mutable
-# references (a jit may not return one).
+# references (a traced function may not return one).
 _PLAIN = frozenset({"device_put", "sharding_constraint", "mesh_cast",
                     "reshard", "pvary", "pcast", "axis_index",
                     "random_seed", "random_wrap", "random_unwrap",
@@ -44,9 +42,13 @@ _PLAIN = frozenset({"device_put", "sharding_constraint", "mesh_cast",
                     "freeze"})
 
 
+def _linearizing(args) -> bool:
+  return any(isinstance(a, jax_compat.LinearizeTracer) for a in args)
+
+
 def bind(primitive, *args, **params) -> Any:
-  """``primitive.bind(*args, **params)``, through a cached inline `jax.jit`
-  where an operand is an autodiff tracer.
+  """``primitive.bind(*args, **params)``, linearized once per signature
+  where an operand is being linearized (`jax.grad`).
 
   Args:
     primitive: a first-order primitive (no sub-jaxprs in ``params``).
@@ -56,27 +58,21 @@ def bind(primitive, *args, **params) -> Any:
   Returns:
     What ``primitive.bind`` returns.
   """
-  if not (active() and any(isinstance(a, jax_compat.AUTODIFF_TRACERS)
-                           for a in args)):
+  fn = _bound(primitive, params) if _linearizing(args) else None
+  if fn is None:
     return primitive.bind(*args, **params)
-  fn = _jitted(primitive, params)
-  return primitive.bind(*args, **params) if fn is None else fn(*args)
+  outs = jax_compat.linearized_call(fn, args)
+  return outs if primitive.multiple_results else outs[0]
 
 
-@functools.lru_cache(maxsize=None)
-def active() -> bool:
-  """Whether this JAX inlines an inline jit's call where it is staged (then
-  `bind` and `call` stage under autodiff)."""
-  jaxpr = jax.make_jaxpr(jax.jit(lambda x: x + 1, inline=True))(1.0)
-  return all(e.primitive.name != "jit" for e in jaxpr.eqns)
-
-
-def _jitted(primitive, params: dict):
+def _bound(primitive, params: dict):
+  """A function binding ``primitive`` with ``params`` (one per pair), or
+  ``None`` where it must be bound plainly."""
   if (primitive.name in _PLAIN or primitive in jax_compat.CALLBACK_PRIMITIVES
       or any(_named(v) for v in params.values())):
     return None
   try:
-    return _cached_jit(primitive, tuple(sorted(params.items())))
+    return _cached_bound(primitive, tuple(sorted(params.items())))
   except TypeError:  # An unhashable param.
     return None
 
@@ -89,20 +85,28 @@ def _named(value) -> bool:
 
 
 @functools.lru_cache(maxsize=8192)
-def _cached_jit(primitive, params: tuple):
+def _cached_bound(primitive, params: tuple):
   kwargs = dict(params)
-  return jax.jit(lambda *args: primitive.bind(*args, **kwargs), inline=True)
-
-
-def call(fn, *args) -> Any:
-  """``fn(*args)`` through a cached inline `jax.jit` where an operand is an
-  autodiff tracer (``fn`` must be hashable and take only arrays)."""
-  if not (active() and any(isinstance(a, jax_compat.AUTODIFF_TRACERS)
-                           for a in args)):
-    return fn(*args)
-  return _cached_fn_jit(fn)(*args)
+  if primitive.multiple_results:
+    return lambda *args: primitive.bind(*args, **kwargs)
+  return lambda *args: [primitive.bind(*args, **kwargs)]
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_fn_jit(fn):
-  return jax.jit(fn, inline=True)
+def bound_one(primitive, params: tuple):
+  """``lambda x: primitive.bind(x, **dict(params))``, one per pair."""
+  kwargs = dict(params)
+  return lambda x: primitive.bind(x, **kwargs)
+
+
+def call(fn, *args) -> Any:
+  """``fn(*args)``, linearized once per signature where an operand is being
+  linearized (``fn`` must be hashable, take arrays and return one)."""
+  if not _linearizing(args):
+    return fn(*args)
+  return jax_compat.linearized_call(_listed(fn), args)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _listed(fn):
+  return lambda *args: [fn(*args)]

@@ -82,3 +82,21 @@ def widener(dtype: Any) -> Callable[[Any], jax.Array]:
   True
   """
   return functools.partial(widen, dtype=np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def rounder(dtype: Any) -> Callable[[Any], jax.Array]:
+  """``x`` (float32) rounded to the precision of ``dtype`` (bfloat16 or
+  float16), kept in float32: the values ``x.astype(dtype)`` holds, without
+  a convert.
+
+  >>> import jax.numpy as jnp
+  >>> x = jnp.array([1 / 3, 1e-40], jnp.float32)
+  >>> bool(jnp.array_equal(rounder(jnp.bfloat16)(x),
+  ...                      x.astype(jnp.bfloat16).astype(jnp.float32)))
+  True
+  """
+  exponent_bits, mantissa_bits = _ROUNDING[np.dtype(dtype)]
+  return functools.partial(jax.lax.reduce_precision,
+                           exponent_bits=exponent_bits,
+                           mantissa_bits=mantissa_bits)

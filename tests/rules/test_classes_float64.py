@@ -75,12 +75,20 @@ def test_without_dot_general_rule_float64_is_not_narrowed(shapes):
                                rtol=1e-12, atol=1e-12)
 
 
-def test_bias_parameter_is_still_broadcast_in_float32_for_elementwise_ops():
+def test_bias_parameter_is_still_broadcast_with_a_float32_gradient():
   x = jnp.ones((3, 4), jnp.float32)
   w = jnp.ones((4, 4), jnp.float32)
   b = jnp.ones((1, 4), jnp.float32)
   f = mpolicy.amp(lambda x, w, b: jax.lax.add(x @ w, b), HALF)
   bcasts = [e for e in all_eqns(f, x, w, b)
             if e.primitive.name == "broadcast_in_dim"]
-  assert [str(e.invars[0].aval.dtype) for e in bcasts] == ["float32"]
+  # Cast, then broadcast: the forward pass converts the (1, 4) bias only.
+  assert [(e.invars[0].aval.shape, str(e.invars[0].aval.dtype))
+          for e in bcasts] == [((1, 4), "bfloat16")]
   np.testing.assert_array_equal(jax.jit(f)(x, w, b), np.full((3, 4), 5.0))
+  # The bias gradient sums the (3, 4) cotangent in float32.
+  g = jax.grad(lambda b: f(x, w, b).astype(jnp.float32).sum())
+  sums = [e for e in all_eqns(g, b) if e.primitive.name == "reduce_sum"
+          and e.invars[0].aval.shape == (3, 4)]
+  assert sums and all(str(e.invars[0].aval.dtype) == "float32" for e in sums)
+  np.testing.assert_array_equal(g(b), np.full((1, 4), 3.0))

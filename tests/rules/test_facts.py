@@ -61,8 +61,8 @@ def test_a_product_scales_its_second_operand_because_it_commutes(
   x, w = jnp.linspace(1, 2, 8).reshape(2, 4), jnp.ones((4, 4))
   row = _row(_scaled_by_sum, "mul", x, w)
   assert row.in_dtypes == ("float32", "bfloat16")
-  assert "scaled by a float32 statistic: computed in float32, stored in " \
-         "bfloat16" in row.decided_by
+  assert "scaled by a float32 statistic: in bfloat16, the statistic " \
+         "rounded once" in row.decided_by
   patched_facts(jax.lax.mul_p, commutes=False)
   row = _row(_scaled_by_sum, "mul", x, w)
   assert "scaled" not in row.decided_by  # Read like a quotient's divisor.

@@ -235,20 +235,30 @@ def test_unary_in_float32_values_and_derivatives():
                              np.exp(np.asarray(x, np.float32)), rtol=2e-2)
 
 
-def test_scale_in_float32_derivatives_match_float32():
-  x = jax.random.normal(KEY, (4, 8)).astype(jnp.bfloat16)
-  s = jnp.abs(jax.random.normal(jax.random.PRNGKey(2), (4, 1))) + 1.0
-  for kind, ref in (("div", lambda x, s: x / s), ("mul", lambda x, s: x * s)):
-    f = lambda x, s, kind=kind: half_storage.scale_in_float32(kind, x, s, jnp.bfloat16)
-    assert f(x, s).dtype == BF16
-    w = jax.random.normal(jax.random.PRNGKey(3), (4, 8))
-    loss = lambda x, s, f: jnp.sum(f(x, s).astype(jnp.float32) * w)
-    gx, gs = jax.grad(loss, (0, 1))(x, s, f)
-    wx, ws = jax.grad(loss, (0, 1))(x.astype(jnp.float32), s, ref)
-    np.testing.assert_allclose(np.asarray(gx, np.float32), wx, rtol=2e-2,
-                               atol=1e-2)
-    np.testing.assert_allclose(gs, ws, rtol=3e-2, atol=3e-2)
-    assert gs.dtype == F32
+def test_cast_after_a_broadcast_sums_its_gradient_in_float32():
+  b = jax.random.normal(KEY, (1, 8))
+  spread = half_storage.broadcaster((16, 8))
+  f = lambda b: half_storage.cast_after(spread, b, jnp.bfloat16)
+  y = f(b)
+  assert y.dtype == BF16
+  np.testing.assert_array_equal(y, jnp.broadcast_to(b, (16, 8)).astype(BF16))
+  # The forward pass converts the small parameter only.
+  converts = [e for e in walk_eqns(jax.make_jaxpr(f)(b))
+              if e.primitive.name == "convert_element_type"]
+  assert [e.outvars[0].aval.shape for e in converts] == [(1, 8)]
+  # Its gradient is a float32 sum of the sixteen rows' cotangents.
+  w = (1 + jnp.arange(16.0)[:, None] / 256).astype(BF16) * jnp.ones((16, 8), BF16)
+  loss = lambda b: jnp.sum((f(b) * w).astype(jnp.float32))
+  grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(b)
+  sums = [e for e in walk_eqns(grad_jaxpr)
+          if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape == (16, 8)]
+  assert sums and all(e.invars[0].aval.dtype == F32 for e in sums), sums
+  np.testing.assert_allclose(jax.grad(loss)(b),
+                             np.asarray(w, np.float32).sum(0, keepdims=True),
+                             rtol=1e-6)
+  # Forward mode works too (a custom_jvp).
+  _, t = jax.jvp(f, (b,), (jnp.ones_like(b),))
+  assert t.dtype == BF16 and bool(jnp.all(t == 1))
 
 
 def test_amp_over_apply_keeps_what_transform_amp_keeps():

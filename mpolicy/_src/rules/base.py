@@ -44,6 +44,13 @@ class RuleEnv(Protocol):
   def wider_source(self, x):
     """The wider value ``x`` was cast down from, else ``x``."""
 
+  def precast(self, x, dtype, make) -> None:
+    """Records that ``make()`` gives ``x`` cast to ``dtype`` (made on
+    demand by `cast`)."""
+
+  def mark_wider(self, x, make_source) -> None:
+    """Records that ``x`` is ``make_source()`` cast down (made on demand)."""
+
   def is_param(self, x) -> bool:
     """Whether ``x`` is a parameter or input (or a re-arrangement of one)."""
 
@@ -167,6 +174,16 @@ def bind(eqn, args, params=None) -> list:
   params = eqn.params if params is None else params
   out = staged.bind(eqn.primitive, *args, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def bound(eqn):
+  """``eqn``'s primitive with its params, as a function of one operand with
+  one result (one per primitive and params); ``None`` for unhashable
+  params."""
+  try:
+    return staged.bound_one(eqn.primitive, tuple(sorted(eqn.params.items())))
+  except TypeError:
+    return None
 
 
 def cast_as_traced(env, x, dtype):

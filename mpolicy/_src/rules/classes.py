@@ -23,8 +23,8 @@ What each class means:
   a ``mul`` or ``div`` of a bfloat16 value (or a parameter) by a float32
   statistic (softmax's division by its sum, LayerNorm's ``scale *
   rsqrt(var)``), and an ``add`` or ``sub`` of one and a float32 statistic
-  spread along it (LayerNorm's ``x - mean(x)``), compute in float32 and
-  store their result in bfloat16 (see `_stored_half`). If JAX rejects the
+  spread along it (LayerNorm's ``x - mean(x)``), give bfloat16 results
+  without converting the activation (see `_stored_half`). If JAX rejects the
   re-typed equation, it runs on inputs cast back to the dtypes it was
   traced with.
 * `base.AS_WRITTEN`: inside `full_precision()` and where a policy that
@@ -47,6 +47,8 @@ import numpy as np
 
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
+from mpolicy._src import staged
+from mpolicy._src import widen
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import half_storage
@@ -194,35 +196,39 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
 def _run_at(op: base.Op, target: Optional[np.dtype]) -> list:
   """Runs ``op`` with its floating arguments at ``target`` (``None``: as
   they are), or, for a bfloat16 value scaled or offset by a float32
-  statistic under a bfloat16 policy, in float32 stored in bfloat16."""
+  statistic under a bfloat16 policy, as `_stored_half` says."""
   env, eqn = op.env, op.eqn
   store = op.bf16_storage()
   if store is not None and (target is None or target == jnp.float32):
     outs = _stored_half(op, store)
     if outs is not None:
       return outs
+  op.args = _widen_params(env, eqn, op.args, target, op.half_compute())
   if target is not None:
-    op.args = _widen_params(env, eqn, op.args, target)
     op.args = [env.cast(a, target) if dtypes.float_value(a) else a
                for a in op.args]
   return base.bind_op(op)
 
 
 def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
-  """A ``store`` (bfloat16) array combined with a float32 statistic,
-  computed in float32 and stored in ``store``; ``None`` if ``op`` is no
-  such combination.
+  """A ``store`` (bfloat16) array combined with a float32 statistic, stored
+  in ``store``; ``None`` if ``op`` is no such combination.
 
-  Two kinds: a product or quotient (softmax's division by its sum), which
-  has no cancellation; and a sum or difference with a statistic spread
-  along the array (LayerNorm's ``x - mean``), computed exactly in float32
-  before the one rounding. Either way the result costs one rounding, as any
-  bfloat16 activation does, and the backward pass keeps bfloat16 values (a
-  sum keeps none). A parameter counts as bfloat16: it is used in the compute
-  dtype. A product of two operands both spread along the result
-  (LayerNorm's ``scale * rsqrt(var)``) runs in bfloat16, as in a bfloat16
-  program. A result read only by ``full`` ops (``jnp.var``'s centred
-  values, squared and summed) stays float32.
+  Two kinds. A product or quotient (softmax's division by its sum,
+  LayerNorm's ``scale * rsqrt(var)``) has no cancellation: it runs in
+  bfloat16 on the statistic rounded once, as a bfloat16 program computes
+  it, and converts no activation-sized array. A sum or difference with a
+  statistic spread along the array (LayerNorm's ``x - mean``) would cancel
+  digits against a rounded statistic: the statistic is split into two
+  bfloat16 parts, ``hi + lo``, and ``(x - hi) - lo`` is computed in
+  bfloat16; ``x - hi`` is exact where the digits cancel, so the result is
+  the float32 difference to within about a bfloat16 rounding, again
+  without converting the activation. (A statistic as large as the array, a
+  ``jnp.broadcast_to`` of one, is subtracted in float32 and the result
+  rounded once: splitting it would convert two such arrays.) The backward
+  pass keeps bfloat16 values. A parameter counts as bfloat16: it is used in
+  the compute dtype. A result read only by ``full`` ops (``jnp.var``'s
+  centred values) stays float32.
   """
   env, eqn, args = op.env, op.eqn, op.args
   facts_ = op.facts
@@ -238,24 +244,21 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
         or not (x_dtype == store or (env.is_param(x)
                                      and x_dtype == jnp.float32))):
       continue
-    x = env.cast(x, store)  # A parameter is used in the compute dtype.
     if facts_.scales and (i == 0 or facts_.commutes):
-      size = np.prod(eqn.outvars[0].aval.shape)
-      if np.size(x) < size and np.size(s) < size:
-        # Both operands spread along the result (``scale * rsqrt(var)``):
-        # the product of a bfloat16 program, the statistic rounded to
-        # bfloat16. (In float32, XLA:CPU keeps float32 broadcasts of them
-        # for the backward pass: 2 MiB more per norm at d_model 512.)
-        op.why += ("; a bfloat16 value scaled by a float32 statistic, both "
-                   "spread along the result: in bfloat16")
-        op.args = [x, env.cast(s, store)][::1 if i == 0 else -1]
-        return base.bind_op(op)
+      op.why += ("; a bfloat16 value scaled by a float32 statistic: in "
+                 "bfloat16, the statistic rounded once")
+      # A parameter is used in the compute dtype (broadcast first where it
+      # meets an activation: its gradient then sums in float32).
+      op.args = _widen_params(env, eqn, [x, env.cast(s, store)], store, store)
+      op.args = [env.cast(a, store) for a in op.args][::1 if i == 0 else -1]
+      return base.bind_op(op)
+    x = env.cast(x, store)  # A parameter is used in the compute dtype.
+    if facts_.offsets and np.size(s) < np.size(x):
       op.ran_in = "float32"
-      op.why += ("; a bfloat16 value scaled by a float32 statistic: "
-                 "computed in float32, stored in bfloat16")
-      return [half_storage.scaled_in_float32(op.prim.name, x, s, store,
-                                             i == 0)]
-    if facts_.offsets and (env.is_spread(s) or np.size(s) < np.size(x)):
+      op.why += ("; a bfloat16 value offset by a float32 statistic spread "
+                 "along it: as bfloat16 parts of the statistic, exactly")
+      return [_offset_in_parts(op, x, s, i, store)]
+    if facts_.offsets and env.is_spread(s):
       op.ran_in = "float32"
       op.why += ("; a bfloat16 value offset by a float32 statistic spread "
                  "along it: computed in float32, stored in bfloat16")
@@ -266,22 +269,47 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
   return None
 
 
-def _widen_params(env, eqn, args, target) -> list:
-  """Parameters about to be cast down to ``target`` that an element-wise op
-  would broadcast (a ``[1, n]`` bias added to ``[b, n]``) are broadcast
-  first, in their own dtype: under grad the sum over the broadcast dims then
-  runs in float32 instead of in half. Other ops (a matmul, a concatenation)
-  take their operands as they are."""
-  if len(eqn.outvars) != 1 or not facts.of(eqn.primitive).broadcasts:
+def _offset_in_parts(op: base.Op, x, s, i: int, store: np.dtype):
+  """``x + s``, ``x - s`` or ``s - x`` (``s`` at position ``1 - i``), with
+  the float32 ``s`` as ``hi + lo`` in ``store``: two ops in ``store``."""
+  env, eqn = op.env, op.eqn
+  hi = env.cast(s, store)
+  rounded = staged.call(widen.rounder(store), s)  # hi's value, in float32.
+  lo = env.cast(staged.bind(jax.lax.sub_p, s, rounded), store)
+  op.args = [x, hi][::1 if i == 0 else -1]
+  (y,) = base.bind(eqn, op.args)
+  if i == 1 and not op.facts.commutes:  # s - x: (hi - x) + lo
+    return staged.bind(jax.lax.add_p, y, lo)
+  return base.bind(eqn, [y, lo])[0]  # (x + hi) + lo, (x - hi) - lo
+
+
+def _widen_params(env, eqn, args, target, compute) -> list:
+  """Parameters an element-wise op broadcasts (a ``[1, n]`` bias added to
+  ``[b, n]``) and uses in the half ``compute`` dtype are broadcast there
+  with `half_storage.cast_after`: cast first, so the forward pass converts
+  the small parameter only, while under grad the sum over the broadcast
+  dims runs in float32 instead of in half. That holds for a float32
+  parameter about to be cast down to ``target``, and for one the code cast
+  down itself (a module policy's cast of its parameters). Other ops (a
+  matmul, a concatenation) take their operands as they are."""
+  if (compute is None or len(eqn.outvars) != 1
+      or not facts.of(eqn.primitive).broadcasts):
     return args
   shape = tuple(eqn.outvars[0].aval.shape)
+  if not any(tuple(np.shape(a)) == shape for a in args
+             if dtypes.float_value(a)):
+    return args  # No activation of the result's shape: nothing to spread.
   out = []
   for a in args:
     a_shape = tuple(np.shape(a))
-    if (env.is_param(a) and dtypes.dtype_of(a) != target
-        and len(a_shape) == len(shape) and a_shape != shape
-        and all(n in (1, m) for n, m in zip(a_shape, shape))):
-      a = jax.lax.broadcast_in_dim(a, shape, tuple(range(len(shape))))
+    if (len(a_shape) == len(shape) and a_shape != shape
+        and all(n in (1, m) for n, m in zip(a_shape, shape))
+        and (target is None or target == compute) and dtypes.float_value(a)):
+      wide = env.wider_source(a) if target is None else a
+      if (env.is_param(wide) and not dtypes.is_double(dtypes.dtype_of(wide))
+          and dtypes.dtype_of(wide).itemsize > compute.itemsize):
+        a = half_storage.cast_after(half_storage.broadcaster(shape), wide,
+                                    compute)
     out.append(a)
   return out
 
@@ -374,7 +402,7 @@ facts.register(("mul", "div"), scales=True)
 facts.register(("add", "add_any", "mul", "max", "min"), commutes=True)
 
 # Sums and differences: a bfloat16 value offset by a float32 statistic
-# spread along it (``x - mean(x)``) computes in float32, stored in bfloat16.
+# spread along it (``x - mean(x)``) subtracts it exactly, stored in bfloat16.
 facts.register(("add", "sub"), offsets=True)
 
 # A broadcast of a smaller array: a float32 value spread so is a statistic.

@@ -1,13 +1,19 @@
-"""Float32 computations stored in half, with derivatives that keep half.
+"""Float32 and half values whose derivatives are not what JAX would pick.
 
 A float32 op on a half input whose result is rounded back to half
 (``convert(f(convert(x, f32)), bf16)``) is exact up to that last rounding,
 but under `jax.grad` JAX saves what the float32 op's derivative needs in
 float32: ``exp`` saves its float32 result, ``x ** 3`` saves ``3 x^2`` in
-float32. These wrappers give the same forward values with a derivative
-that keeps only half values (and small float32 statistics) for the
-backward pass. They are `custom_jvp`s, so forward and reverse mode both
-work at every order.
+float32. `unary_in_float32` gives the same forward values with a derivative
+that keeps only half values for the backward pass.
+
+A float32 parameter broadcast along an activation and used in half (a
+bias) is cheapest cast first and broadcast in half, but its gradient, the
+transpose of the broadcast, is then a sum in half. `cast_after` casts first
+and keeps the derivative of broadcasting in float32, so the gradient sums
+in float32 and the forward pass converts only the small parameter.
+
+Both are `custom_jvp`s, so forward and reverse mode work at every order.
 """
 
 from __future__ import annotations
@@ -46,40 +52,46 @@ def unary_in_float32(fn, x, store_dtype):
   return op(x)
 
 
-def scale_in_float32(kind, x, s, store_dtype, x_first=True):
-  """``x * s`` or ``x / s`` in float32, stored in ``store_dtype``.
+def cast_after(fn, x, dtype):
+  """``fn(x).astype(dtype)``, computed in the other order: ``x`` cast
+  first, then re-arranged by ``fn``.
 
-  ``x`` is a half array, ``s`` a float32 statistic (a sum, a norm), usually
-  broadcast along some axes (``kind`` is ``"mul"`` or ``"div"``; a division
-  is always ``x / s``). Under grad the backward pass keeps ``x`` or the
-  half result, and ``s``.
+  ``fn`` must re-arrange elements only (a broadcast, a reshape), so both
+  orders give the same values, and be hashable (one function per
+  signature: see `staged`). The derivative keeps the written order: the
+  tangent is re-arranged in ``x``'s dtype, then cast, so the transpose
+  (for a broadcast, a sum over the broadcast dims) runs in ``x``'s dtype.
   """
-  store_dtype = np.dtype(store_dtype)
-  if kind not in ("mul", "div"):
-    raise ValueError(f"kind must be 'mul' or 'div', got {kind!r}")
+  return staged.call(_cast_after_fn(fn, np.dtype(dtype)), x)
 
-  def wide(x, s):
-    x = widen.widen(x, jnp.float32)
-    if kind == "div":
-      return jnp.divide(x, s)
-    return jnp.multiply(x, s) if x_first else jnp.multiply(s, x)
 
+@functools.lru_cache(maxsize=1024)
+def _cast_after_fn(fn, dtype):
+  return functools.partial(_cast_after, fn, dtype)
+
+
+def _cast_after(fn, dtype, x):
   @jax.custom_jvp
-  def op(x, s):
-    return wide(x, s).astype(store_dtype)
+  def op(x):
+    return fn(x.astype(dtype))
 
   @op.defjvp
   def op_jvp(primals, tangents):
-    (x, s), (tx, ts) = primals, tangents
-    out = op(x, s)
-    from_x = wide(tx, s).astype(store_dtype)
-    if kind == "mul":
-      from_s = jnp.multiply(x, ts.astype(store_dtype))
-    else:  # d(x / s) = dx / s - (x / s) * ds / s
-      from_s = -jnp.multiply(out, jnp.divide(ts, s).astype(store_dtype))
-    return out, (from_x + from_s).astype(store_dtype)
+    (x,), (t,) = primals, tangents
+    return op(x), fn(t).astype(dtype)
 
-  return op(x, s)
+  return op(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def broadcaster(shape: tuple):
+  """``x`` broadcast to ``shape`` (of the same rank), one function per
+  shape."""
+  return functools.partial(_broadcast, shape=shape)
+
+
+def _broadcast(x, shape):
+  return jax.lax.broadcast_in_dim(x, shape, tuple(range(len(shape))))
 
 
 def primitive_in_float32(primitive, params: dict, args, i: int, store_dtype):
@@ -108,17 +120,3 @@ def _primitive_in_float32(primitive, params, i, store_dtype, *args):
   def fn(v):
     return primitive.bind(*args[:i], v, *args[i + 1:], **params)
   return unary_in_float32(fn, args[i], store_dtype)
-
-
-def scaled_in_float32(kind, x, s, store_dtype, x_first=True):
-  """`scale_in_float32`, one cached function per signature (see `staged`)."""
-  return staged.call(_scale_fn(kind, np.dtype(store_dtype), x_first), x, s)
-
-
-@functools.lru_cache(maxsize=64)
-def _scale_fn(kind, store_dtype, x_first):
-  return functools.partial(_scale, kind, store_dtype, x_first)
-
-
-def _scale(kind, store_dtype, x_first, x, s):
-  return scale_in_float32(kind, x, s, store_dtype, x_first)

@@ -16,6 +16,7 @@ from mpolicy._src import jax_compat
 from mpolicy._src import regions
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
+from mpolicy._src.rules import half_storage
 
 # The JAX functions that cast (the function the user's code called, as
 # `jax_compat.called_jax_function` names it): `x.astype`, `jnp.astype`,
@@ -105,13 +106,30 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
   x = op.args[0]
   if op.op_class is not None:
     return None
+  # A broadcast, as a function of its one operand (cast before it spreads).
+  fn = base.bound(op.eqn) if op.facts.spreads and len(op.args) == 1 else None
   wide = op.env.wider_source(x)
   if wide is not x:
     op.why = (f"{op.prim.name} of a down-cast value: runs in its wider dtype, "
               "then cast (its gradient sums in float32)")
+    if fn is not None:
+      # The same values, cast before they are spread: the forward pass
+      # converts the small array only (see `half_storage.cast_after`).
+      out = half_storage.cast_after(fn, wide, dtypes.dtype_of(x))
+      op.env.mark_wider(out, lambda: _spread(op.env, fn, wide))
+      return [out]
     return [op.env.cast(o, dtypes.dtype_of(x))
             for o in base.bind(op.eqn, [wide, *op.args[1:]])]
   compute = op.half_compute()
+  if (fn is not None and compute is not None and op.env.is_param(x)
+      and dtypes.float_value(x) and not dtypes.is_double(dtypes.dtype_of(x))
+      and dtypes.dtype_of(x).itemsize > compute.itemsize):
+    # A broadcast parameter (a bias): used in the compute dtype, it is cast
+    # before it is spread (see `half_storage.cast_after`).
+    (out,) = base.bind(op.eqn, op.args)
+    op.env.precast(out, compute,
+                   lambda: half_storage.cast_after(fn, x, compute))
+    return [out]
   if (op.facts.looks_up and compute is not None
       and op.env.is_param(x) and dtypes.float_value(x)
       and not dtypes.is_double(dtypes.dtype_of(x))
@@ -124,6 +142,14 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
               "sums in float32)")
     return [op.env.cast(o, compute) for o in base.bind_op(op)]
   return None
+
+
+def _spread(env, fn, wide):
+  """``fn(wide)``, a parameter still if ``wide`` is one."""
+  out = fn(wide)
+  if env.is_param(wide):
+    env.mark_param(out)
+  return out
 
 
 facts.register((jax_compat.broadcast_in_dim_p, jax_compat.gather_p),
