@@ -45,6 +45,9 @@ from mpolicy._src.explain import Report
 from mpolicy._src.fp8_stats import Fp8Report
 from mpolicy._src.fp8_stats import fp8_stats
 
+from mpolicy._src.debugging.locate import locate_nonfinite
+from mpolicy._src.debugging.locate import NonFiniteReport
+
 from mpolicy._src.haiku_bridge import current_policy
 from mpolicy._src.haiku_bridge import HaikuPolicyWarning
 from mpolicy._src.haiku_bridge import transform_amp
@@ -91,6 +94,7 @@ __all__ = (
     "LossScale",
     "MasterWeightsState",
     "NoOpLossScale",
+    "NonFiniteReport",
     "OpRules",
     "Policy",
     "PolicyExplanation",
@@ -118,6 +122,7 @@ __all__ = (
     "half_dtype",
     "init_master_weights",
     "keep_dtypes",
+    "locate_nonfinite",
     "make_train_step",
     "master_weights",
     "nonfinite_flags",
