@@ -47,6 +47,8 @@ from mpolicy._src.fp8_stats import fp8_stats
 
 from mpolicy._src.debugging.locate import locate_nonfinite
 from mpolicy._src.debugging.locate import NonFiniteReport
+from mpolicy._src.debugging.shadow import compare_to_float32
+from mpolicy._src.debugging.shadow import ShadowReport
 
 from mpolicy._src.haiku_bridge import current_policy
 from mpolicy._src.haiku_bridge import HaikuPolicyWarning
@@ -99,6 +101,7 @@ __all__ = (
     "Policy",
     "PolicyExplanation",
     "Report",
+    "ShadowReport",
     "SkipNonFiniteState",
     "StateDtypesState",
     "StaticLossScale",
@@ -112,6 +115,7 @@ __all__ = (
     "cast_to_half",
     "clear_policies",
     "clear_policy",
+    "compare_to_float32",
     "current_policy",
     "explain",
     "explain_policy",

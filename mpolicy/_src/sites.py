@@ -58,6 +58,9 @@ class Site:
     ran_in: the dtype(s) it ran in, as `explain` says (``""`` until run).
     producers: per operand, the site that made it (``None``: an argument,
       a constant, or a value made outside every site).
+    higher_order: whether the equation holds sub-jaxprs (``scan``,
+      ``cond``, ``jit``, ...): its own equations are the interpreter's
+      casts at its boundary, its sub-jaxprs' are sites of their own.
   """
   primitive: str
   names: tuple[str, ...]
@@ -65,6 +68,7 @@ class Site:
   source: str
   ran_in: str = ""
   producers: tuple[Optional[int], ...] = ()
+  higher_order: bool = False
 
   @property
   def path(self) -> str:
@@ -78,6 +82,17 @@ class Site:
   def policy_cast(self) -> bool:
     """Whether it is a cast a module policy made at a module boundary."""
     return regions.policy_cast_of(self.names) is not None
+
+
+class _Every:
+  """Holds every site index: `tagging(in_float32=EVERY)` runs the whole
+  code in float32 (the float32 shadow of `compare_to_float32`)."""
+
+  def __contains__(self, index) -> bool:
+    return True
+
+
+EVERY = _Every()
 
 
 class _State(threading.local):
@@ -98,7 +113,7 @@ def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
 
   Args:
     in_float32: indices of sites to run in float32 (as numbered by a block
-      that traced the same code).
+      that traced the same code), or `EVERY`.
 
   Yields:
     The list the block's `Site`s are appended to, in trace order.
@@ -106,7 +121,8 @@ def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
   prev = (_state.sites, _state.in_float32, _state.open, _state.made_by)
   found: list[Site] = []
   _state.sites, _state.in_float32, _state.open, _state.made_by = (
-      found, frozenset(in_float32), [], {})
+      found, in_float32 if in_float32 is EVERY else frozenset(in_float32),
+      [], {})
   try:
     with _KEY(next(_blocks)):
       yield found
@@ -191,7 +207,9 @@ def site(eqn, names: tuple[str, ...], region: Optional[regions.Region],
   producers = tuple(_state.made_by.get(id(x), (None,))[0] for x in invals)
   _state.sites.append(Site(eqn.primitive.name, names, region,
                            jax_compat.user_location(eqn, _library_dirs()),
-                           producers=producers))
+                           producers=producers,
+                           higher_order=bool(jax_compat.jaxprs_in_params(
+                               eqn.params))))
   return _Tag(index)
 
 

@@ -47,7 +47,7 @@ FINITE = 0
 
 # Primitives whose results hold exactly their operands' values (moved,
 # copied, negated): a result is not finite exactly when an operand is not.
-_MOVERS = frozenset({
+MOVERS = frozenset({
     "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
     "neg", "abs", "copy", "copy_p", "rev", "concatenate", "stop_gradient",
     "real", "imag", "conj", "pvary", "pcast", "device_put",
@@ -182,8 +182,22 @@ class Walker:
   """Runs jaxprs op by op, logging every run and checking every result."""
 
   def __init__(self, events: Optional[list[Event]] = None,
-               ids: Optional[itertools.count] = None):
+               ids: Optional[itertools.count] = None, *,
+               checking: bool = True, observer: Any = None):
+    """A walker.
+
+    Args:
+      events: the event list to number events in (shared by a body's
+        walker).
+      ids: the value id counter (likewise).
+      checking: whether results are checked for non-finite values.
+      observer: if given, ``observer.made(event, in_ids, out_ids, outs)``
+        is called for every equation run eagerly, and
+        ``observer.passed(in_ids, out_id, value)`` for every value the
+        walker itself moves (a loop's slice or stack).
+    """
     self.events: list[Event] = [] if events is None else events
+    self.checking, self.observer = checking, observer
     self.entries: list[Entry] = []
     # Arrays of "not finite" flags, one per check, in check order (a
     # replayed body adds its per-device flags as one array).
@@ -222,7 +236,7 @@ class Walker:
   def child(self) -> "Walker":
     """A walker for a traced body: its events and ids are this one's, its
     log and checks its own (see `replay`)."""
-    body = Walker(self.events, self._ids)
+    body = Walker(self.events, self._ids, checking=self.checking)
     body._event_of, body._keep = self._event_of, self._keep  # pylint: disable=protected-access
     return body
 
@@ -261,10 +275,17 @@ class Walker:
     return [[renamed(d, vid) for d in range(n_devices)] for vid in out_ids]
 
   def log(self, event: int, ins, outs, checks, ctx: _Ctx,
-          constant: bool = False) -> None:
+          constant: bool = False, values=None, passed=False) -> None:
+    """Logs one run; tells the observer (``values``: the results; a
+    ``passed`` value is one the walker moved, not an equation's)."""
     self.entries.append(Entry(event, tuple(ins), tuple(outs), tuple(checks),
                               ctx.iteration, None if ctx.traced
                               else ctx.device, constant))
+    if self.observer is not None and values is not None and not ctx.traced:
+      if passed:
+        self.observer.passed(ins, outs[0], values[0])
+      else:
+        self.observer.made(event, ins, outs, values)
 
   def inputs(self, arrays, paths) -> list[int]:
     """Logs the program's arguments (each checked); returns their ids."""
@@ -322,13 +343,13 @@ class Walker:
     if not any(floating(o) for o in outs):
       return outs, [FINITE] * len(outs)
     event = self.event(eqn, ctx, feeds_forward)
-    mover = eqn.primitive.name in _MOVERS or _widening(eqn)
+    mover = eqn.primitive.name in MOVERS or _widening(eqn)
     out_ids = [self.new_id() if floating(o) else FINITE for o in outs]
-    checks = [None if mover or not floating(o) else self.check(o)
-              for o in outs]
+    checks = [None if mover or not floating(o) or not self.checking
+              else self.check(o) for o in outs]
     self.log(event, in_ids, out_ids, checks, ctx,
-             any(i == FINITE and self._bad_constant(x)
-                 for x, i in zip(invals, in_ids)))
+             self.checking and any(i == FINITE and self._bad_constant(x)
+                                   for x, i in zip(invals, in_ids)), outs)
     return outs, out_ids
 
   def _bad_constant(self, x) -> bool:
@@ -347,8 +368,9 @@ class Walker:
     if not floating(x):
       return FINITE
     vid = self.new_id()
-    self.log(self.event(eqn, ctx, True), [source], [vid], [self.check(x)],
-             ctx)
+    self.log(self.event(eqn, ctx, True), [source], [vid],
+             [self.check(x) if self.checking else None], ctx, values=[x],
+             passed=True)
     return vid
 
 
@@ -376,7 +398,8 @@ def _stacked(walker, eqn, rows, row_ids, aval, length, ctx):
   if not floating(value):
     return value, FINITE
   vid = walker.new_id()
-  walker.log(walker.event(eqn, ctx, True), row_ids, [vid], [None], ctx)
+  walker.log(walker.event(eqn, ctx, True), row_ids, [vid], [None], ctx,
+             values=[value], passed=True)
   return value, vid
 
 
@@ -461,9 +484,9 @@ def _shard_map(walker, eqn, invals, in_ids, ctx, read_out):
   made = body.replay(walker, per_device, body_out)
   out_ids = [walker.new_id() if floating(o) else FINITE for o in outs]
   event = walker.event(eqn, ctx, True)
-  for vid, parts in zip(out_ids, made):
+  for vid, parts, value in zip(out_ids, made, outs):
     if vid != FINITE:  # Each device's part, gathered: a mover.
-      walker.log(event, parts, [vid], [None], ctx)
+      walker.log(event, parts, [vid], [None], ctx, values=[value])
   return outs, out_ids
 
 
