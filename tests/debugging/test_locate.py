@@ -54,7 +54,9 @@ def test_float16_attention_logits_that_overflow_are_the_first_nonfinite():
   assert report.source == _line("# LOGITS")
   assert (report.iteration, report.device) == (None, None)
   assert report.fixed_by_float32  # The logits fit in float32.
-  assert report.outputs[0] == "loss"
+  assert report.outputs[:2] == ("loss", "gradient of attention/key/b")
+  assert "It made the loss and the gradients of attention/key/b," in str(
+      report)
   text = str(report)
   assert "forward pass" in text and "'attention'" in text
   assert "float16" in text and "makes every value finite" in text
@@ -89,7 +91,7 @@ def test_sqrt_at_zero_goes_nonfinite_in_the_backward_pass():
   assert (report.primitive, report.path, report.direction) == (
       "sqrt", "norm", "backward")
   assert report.source == _line("# SQRT")
-  assert report.outputs == ("gradient of 0",)
+  assert report.outputs == ("gradient",)  # Of w, the first argument.
   assert not report.fixed_by_float32
   assert "backward pass" in str(report) and "derivative of sqrt" in str(report)
 
@@ -257,3 +259,26 @@ def test_a_nonfinite_value_on_one_device_of_a_shard_map(eight_devices):
   assert (facts["primitive"], facts["path"], facts["device"],
           facts["direction"]) == ("log", "layer", 5, "forward")
   assert "on device 5 of its shard_map" in facts["text"]
+
+
+@pytest.mark.slow  # Runs the example as a file: tens of seconds.
+def test_the_char_transformer_prints_the_report_of_a_skipped_step(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(THIS)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "examples", "char_transformer.py"),
+       "--steps=2", "--batch_size=2", "--seq_len=8", "--d_model=8",
+       "--num_heads=2", "--num_layers=1", "--log_every=0",
+       "--mp_policy=p=f32,c=f16,o=f32", "--mp_scale_type=Static",
+       "--mp_scale_value=1e30", "--debug_nonfinite"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = [l for l in proc.stdout.splitlines() if "was skipped" in l]
+  assert [l.split(":")[0] for l in lines] == ["step 1 was skipped",
+                                              "step 2 was skipped"]
+  assert "in the backward pass" in lines[0]
+  assert "a smaller loss scale may be enough" in lines[0]

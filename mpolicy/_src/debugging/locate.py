@@ -51,8 +51,10 @@ class NonFiniteReport:
       modules) in float32 makes the whole computation finite.
     op: the primitive of the program that first produced the non-finite
       value (an op rule's cast to ``float16``, the ``div`` of a derivative).
+    loss_scale: the scale the backward pass started from (``None``:
+      none).
     outputs: which results were not finite (``"loss"``,
-      ``"gradient of 0/linear/w"``, ...).
+      ``"gradient of linear/w"``: of the first argument's ``["linear"]["w"]``).
   """
   primitive: str
   path: str
@@ -64,6 +66,7 @@ class NonFiniteReport:
   fixed_by_float32: bool
   op: str = ""
   outputs: tuple[str, ...] = ()
+  loss_scale: Optional[float] = None
 
   def __str__(self) -> str:
     where = f"module {self.path!r}" if self.path else "outside any module"
@@ -90,17 +93,30 @@ class NonFiniteReport:
       details.append(f"on device {self.device} of its shard_map")
     text = first + (", " + ", ".join(details) if details else "") + "."
     if self.outputs:
-      shown = ", ".join(self.outputs[:3])
-      more = len(self.outputs) - 3
-      text += (f" It made {shown}{f' and {more} more' if more > 0 else ''} "
-               "non-finite.")
+      text += f" It made {_outputs_text(self.outputs)} non-finite."
     if self.primitive == "input":
       return text + " Check the data or the parameters passed in."
     what = "that module" if self.path else "that op"
     text += (f" Running {what} in float32 makes every value finite."
              if self.fixed_by_float32 else
              f" Running {what} in float32 does not make every value finite.")
+    if (self.direction == "backward" and not self.fixed_by_float32
+        and self.loss_scale not in (None, 1.0)):
+      text += (f" The backward pass starts from the loss times "
+               f"{self.loss_scale:.4g}: a smaller loss scale may be enough.")
     return text
+
+
+def _outputs_text(outputs: tuple[str, ...]) -> str:
+  """``"the loss and the gradients of a, b, c and 4 more"``."""
+  grads = [o[len("gradient of "):] if o != "gradient" else "the argument"
+           for o in outputs if o.startswith("gradient")]
+  parts = ["the loss"] if "loss" in outputs else []
+  if grads:
+    more = f" and {len(grads) - 3} more" if len(grads) > 3 else ""
+    parts.append(f"the gradient{'s' if len(grads) > 1 else ''} of "
+                 f"{', '.join(grads[:3])}{more}")
+  return " and ".join(parts)
 
 
 def _pattern(path: str) -> str:
@@ -193,6 +209,8 @@ def locate_nonfinite(fn: Callable[..., Any], *args, grad: bool = True,
   names the parameters), `explain`.
   """
   loss_scale = program_lib.check_loss_scale(loss_scale, "locate_nonfinite")
+  scale = (None if loss_scale is None
+           else float(np.asarray(loss_scale.loss_scale)))
   call = program_lib.Call(fn, args, "locate_nonfinite")
   program = call.program(grad, loss_scale)
   with sites.tagging() as found:
@@ -233,4 +251,5 @@ def locate_nonfinite(fn: Callable[..., Any], *args, grad: bool = True,
       dtype=(site.ran_in if site is not None else ""),
       source=site.source if site is not None else "",
       iteration=entry.iteration, device=entry.device,
-      fixed_by_float32=bool(fixed), op=event.primitive, outputs=outputs)
+      fixed_by_float32=bool(fixed), op=event.primitive, outputs=outputs,
+      loss_scale=scale)

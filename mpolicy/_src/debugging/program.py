@@ -95,9 +95,15 @@ class Call:
     return program
 
   def output_names(self, grad: bool) -> list[str]:
-    """What each output of `program` is: ``"loss"``, then gradients."""
-    return ["loss"] + ([f"gradient of {self.paths[i]}" for i in self.wrt]
-                       if grad else [])
+    """What each output of `program` is: ``"loss"``, then the gradients,
+    named by their parameter's path in the first argument."""
+    names = [self.param_path(i) for i in self.wrt] if grad else []
+    return ["loss"] + [f"gradient of {n}" if n else "gradient" for n in names]
+
+  def param_path(self, i: int) -> str:
+    """The path of array leaf ``i`` of the first argument within it
+    (``"linear/w"``; ``""`` for an argument that is itself an array)."""
+    return self.paths[i].partition("/")[2]
 
 
 def _traced(leaf) -> bool:

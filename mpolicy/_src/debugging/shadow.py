@@ -31,6 +31,7 @@ import numpy as np
 
 from mpolicy._src import registry
 from mpolicy._src import sites
+from mpolicy._src import tables
 from mpolicy._src.debugging import program as program_lib
 from mpolicy._src.debugging import walk
 
@@ -141,12 +142,7 @@ class ShadowReport:
     lines = [(r.name, _fmt(r.rel_error), _fmt(r.bias, True), _fmt(r.noise),
               _fmt(r.input_rel_error), _fmt(r.grad_rel_error), str(r.values),
               r.dtype) for r in self.rows]
-    widths = [max([len(h)] + [len(l[i]) for l in lines])
-              for i, h in enumerate(header)]
-    fmt = lambda cols: "  ".join(
-        c.ljust(w) for c, w in zip(cols, widths)).rstrip()
-    out = [fmt(header), fmt(tuple("-" * w for w in widths))]
-    out += [fmt(l) for l in lines]
+    out = [tables.text_table(header, lines)]
     loss_err = (abs(self.loss - self.loss_float32)
                 / max(abs(self.loss_float32), 1e-30))
     out.append(f"loss {self.loss:.6g} (float32: {self.loss_float32:.6g}, "
@@ -302,8 +298,10 @@ def _run(call: program_lib.Call, grad: bool, in_float32) -> tuple:
 
 
 def _module_of(param: str, modules: set) -> Optional[str]:
-  """The module a parameter (``"0/attention/query/w"``) belongs to."""
-  parts = param.split("/")[1:-1]  # Without the argument index, the leaf.
+  """The module a parameter (``"attention/query/w"``) belongs to: the
+  longest run of its path's components (the leaf's name left out) that
+  names a module (Flax's ``"params/dense/kernel"`` belongs to ``dense``)."""
+  parts = param.split("/")[:-1]
   for start in range(len(parts)):
     for end in range(len(parts), start, -1):
       name = "/".join(parts[start:end])
@@ -403,9 +401,10 @@ def _grads_by_module(call, got, want, modules: set) -> dict:
   for k, i in enumerate(call.wrt):
     if len(got) <= 1 + k:
       break
-    module = _module_of(call.paths[i], modules)
+    param = call.param_path(i)
+    module = _module_of(param, modules)
     if module is None:
-      module = "/".join(call.paths[i].split("/")[1:-1])
+      module = param.rpartition("/")[0]
     grads.setdefault(module, ([], []))
     grads[module][0].append(got[1 + k])
     grads[module][1].append(want[1 + k])
