@@ -79,6 +79,7 @@ def test_errors_are_norm_wise_and_split_into_bias_and_noise():
   assert (row.values, row.dtype, row.grad_rel_error) == (64, "bfloat16", None)
 
 
+@pytest.mark.slow  # Beyond the ranking: run with -m slow.
 def test_parameter_gradients_are_compared_per_module():
   model, params, x, loss = _model()
   report = mpolicy.compare_to_float32(loss, params, x)
@@ -103,6 +104,7 @@ def test_parameter_gradients_are_compared_per_module():
                                                 rel=1e-6)
 
 
+@pytest.mark.slow  # Beyond the ranking: run with -m slow.
 def test_a_module_in_a_scan_is_pooled_over_iterations():
   def loss(w, xs):
     def body(c, x):
@@ -117,6 +119,7 @@ def test_a_module_in_a_scan_is_pooled_over_iterations():
   assert 0 < report.row("cell").rel_error < 0.05
 
 
+@pytest.mark.slow  # Beyond the ranking: run with -m slow.
 def test_the_plot_draws_the_rows(tmp_path):
   pytest.importorskip("matplotlib")
   _, params, x, loss = _model()

@@ -119,7 +119,7 @@ def _outputs_text(outputs: tuple[str, ...]) -> str:
   return " and ".join(parts)
 
 
-def _pattern(path: str) -> str:
+def pattern_of(path: str) -> str:
   """A registry pattern matching exactly ``path`` (wildcards escaped)."""
   return re.sub(r"([*?[])", r"[\1]", path)
 
@@ -127,7 +127,7 @@ def _pattern(path: str) -> str:
 def island(path: str, policy) -> list:
   """The `push_policy` blocks that put ``policy`` on module ``path`` and
   everything inside it."""
-  pattern = _pattern(path)
+  pattern = pattern_of(path)
   return [registry.push_policy(pattern, policy),
           registry.push_policy(pattern + "/*", policy)]
 
@@ -209,47 +209,61 @@ def locate_nonfinite(fn: Callable[..., Any], *args, grad: bool = True,
   names the parameters), `explain`.
   """
   loss_scale = program_lib.check_loss_scale(loss_scale, "locate_nonfinite")
-  scale = (None if loss_scale is None
-           else float(np.asarray(loss_scale.loss_scale)))
   call = program_lib.Call(fn, args, "locate_nonfinite")
   program = call.program(grad, loss_scale)
-  with sites.tagging() as found:
-    closed = jax.make_jaxpr(program)(*call.arrays)
-  walker = walk.Walker()
-  in_ids = walker.inputs(call.arrays, call.paths)
-  outs, out_ids = walker.run(closed.jaxpr, closed.consts, list(call.arrays),
-                             in_ids)
+  found = first_nonfinite(call, program_lib.run(call, program), grad,
+                          loss_scale)
+  if found is None:
+    return None
+  report, site = found
+  if site is None:
+    return report
+  return dataclasses.replace(report, fixed_by_float32=_finite_with(
+      program, call.arrays, report.path, site))
+
+
+def first_nonfinite(call: program_lib.Call, run: program_lib.Run, grad: bool,
+                    loss_scale: Any = None
+                    ) -> Optional[tuple[NonFiniteReport, Optional[int]]]:
+  """Where ``run``'s first non-finite value reaching its results began.
+
+  Returns:
+    ``None`` if the results are finite; else the report (its
+    ``fixed_by_float32`` not yet known: ``False``) and the index of the op
+    it names among ``run.sites`` (``None`` for an input or an unnamed op).
+  """
+  scale = (None if loss_scale is None
+           else float(np.asarray(loss_scale.loss_scale)))
+  outs, walker = run.outs, run.walker
   bad = [i for i, o in enumerate(outs) if not program_lib.all_finite([o])]
   if not bad:
     return None
   names = call.output_names(grad)
-  found_origins = walk.origins(walker, out_ids)
+  found_origins = walk.origins(walker, run.out_ids)
   chosen = [found_origins[i] for i in ([0] if 0 in bad else bad)
             if found_origins[i] is not None]
   outputs = tuple(names[i] for i in bad)
   if not chosen:  # Nothing but the output itself: an unchecked op.
     return NonFiniteReport("unknown", "", "forward", "", "", None, None,
-                           False, outputs=outputs)
+                           False, outputs=outputs), None
   entry = min(chosen, key=lambda o: o.order).entry
   event = walker.events[entry.event]
   if event.primitive == "input":
     x = call.arrays[call.paths.index(event.where)]
     return NonFiniteReport("input", event.where, "forward",
                            program_lib.leaf_dtype_name(x), "", None, None,
-                           False, op="input", outputs=outputs)
+                           False, op="input", outputs=outputs), None
   index = event.site
   direction = "backward" if grad and 0 not in bad and event.backward else (
       "forward")
   if direction == "backward" and index is not None:
-    index = _cotangent_of(found, index)
-  site = found[index] if index is not None else None
-  path = site.path if site is not None else ""
-  fixed = site is not None and _finite_with(program, call.arrays, path, index)
+    index = _cotangent_of(run.sites, index)
+  site = run.sites[index] if index is not None else None
   return NonFiniteReport(
       primitive=site.primitive if site is not None else event.primitive,
-      path=path, direction=direction,
+      path=site.path if site is not None else "", direction=direction,
       dtype=(site.ran_in if site is not None else ""),
       source=site.source if site is not None else "",
       iteration=entry.iteration, device=entry.device,
-      fixed_by_float32=bool(fixed), op=event.primitive, outputs=outputs,
-      loss_scale=scale)
+      fixed_by_float32=False, op=event.primitive, outputs=outputs,
+      loss_scale=scale), index

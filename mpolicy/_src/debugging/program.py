@@ -10,6 +10,7 @@ leaves, as a training step computes them.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,6 +20,8 @@ import numpy as np
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src import sites
+from mpolicy._src.debugging import walk
 from mpolicy._src.training import attribution
 
 _SCALES = (loss_scale_lib.NoOpLossScale, loss_scale_lib.StaticLossScale,
@@ -104,6 +107,52 @@ class Call:
     """The path of array leaf ``i`` of the first argument within it
     (``"linear/w"``; ``""`` for an argument that is itself an array)."""
     return self.paths[i].partition("/")[2]
+
+
+@dataclasses.dataclass
+class Run:
+  """One run of a program, op by op (see `run`).
+
+  Attributes:
+    outs: the program's results.
+    out_ids: their value ids in the walker's log.
+    walker: the walker, with its log and checks.
+    sites: the ops of the user's code, as the trace named them.
+    jaxpr: the program as traced.
+    observer: the walker's observer, if one was asked for.
+  """
+  outs: list
+  out_ids: list
+  walker: walk.Walker
+  sites: list
+  jaxpr: Any
+  observer: Any = None
+
+
+def run(call: Call, program: Callable[..., list], *, in_float32=frozenset(),
+        checking: bool = True, observer=None) -> Run:
+  """Traces ``program`` with every op of ``call``'s function named
+  (`sites.tagging`, ``in_float32`` as there) and runs it op by op.
+
+  Args:
+    call: the function and its arguments.
+    program: a function of ``call.arrays`` (see `Call.program`).
+    in_float32: the sites to run in float32, or `sites.EVERY`.
+    checking: whether every result is checked for non-finite values.
+    observer: a class; ``observer(events, sites)`` observes the walker and
+      is told the program's results at the end (``finish(out_ids)``).
+  """
+  with sites.tagging(in_float32=in_float32) as found:
+    closed = jax.make_jaxpr(program)(*call.arrays)
+  walker = walk.Walker(checking=checking)
+  watching = observer(walker.events, found) if observer is not None else None
+  walker.observer = watching
+  in_ids = walker.inputs(call.arrays, call.paths)
+  outs, out_ids = walker.run(closed.jaxpr, closed.consts, list(call.arrays),
+                             in_ids)
+  if watching is not None:
+    watching.finish(out_ids)
+  return Run(outs, out_ids, walker, found, closed, watching)
 
 
 def _traced(leaf) -> bool:

@@ -26,7 +26,6 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-import jax
 import numpy as np
 
 from mpolicy._src import registry
@@ -283,18 +282,11 @@ class Outputs:
       self.dtypes[unit].add(dtype)
 
 
-def _run(call: program_lib.Call, grad: bool, in_float32) -> tuple:
-  """One run: ``(outputs of the program, Outputs)``."""
-  program = call.program(grad)
-  with sites.tagging(in_float32=in_float32) as found:
-    closed = jax.make_jaxpr(program)(*call.arrays)
-  walker = walk.Walker(checking=False)
-  outputs = Outputs(walker.events, found)
-  walker.observer = outputs
-  outs, out_ids = walker.run(closed.jaxpr, closed.consts, list(call.arrays),
-                             [walker.new_id() for _ in call.arrays])
-  outputs.finish(out_ids)
-  return outs, outputs
+def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:
+  """The float32 shadow's run (its `Outputs` observed)."""
+  with registry.push_everywhere("full"):
+    return program_lib.run(call, call.program(grad), in_float32=sites.EVERY,
+                           checking=False, observer=Outputs)
 
 
 def _module_of(param: str, modules: set) -> Optional[str]:
@@ -353,9 +345,16 @@ def compare_to_float32(fn: Callable[..., Any], *args,
   See also: `locate_nonfinite`, `suggest_policy`, `explain`.
   """
   call = program_lib.Call(fn, args, "compare_to_float32")
-  got, got_out = _run(call, grad, frozenset())
-  with registry.push_everywhere("full"):
-    want, want_out = _run(call, grad, sites.EVERY)
+  got = program_lib.run(call, call.program(grad), checking=False,
+                        observer=Outputs)
+  return report_of(call, got, float32_run(call, grad), grad)
+
+
+def report_of(call: program_lib.Call, got: program_lib.Run,
+              want: program_lib.Run, grad: bool) -> ShadowReport:
+  """The report of run ``got`` against its float32 shadow ``want`` (both
+  observed by `Outputs`)."""
+  got_out, want_out = got.observer, want.observer
 
   def pooled(keys, kind: str) -> tuple[list, list]:
     mine, theirs = getattr(got_out, kind), getattr(want_out, kind)
@@ -370,7 +369,8 @@ def compare_to_float32(fn: Callable[..., Any], *args,
   reads = collections.defaultdict(list)
   for key in got_out.reads:
     reads[key[0]].append(key)
-  grads = _grads_by_module(call, got, want, {u[0] for u in outputs if u[0]})
+  grads = _grads_by_module(call, got.outs, want.outs,
+                           {u[0] for u in outputs if u[0]})
   rows = []
   for unit in list(outputs) + [(m, "") for m in grads
                                if (m, "") not in outputs]:
@@ -390,12 +390,12 @@ def compare_to_float32(fn: Callable[..., Any], *args,
   rows.sort(key=lambda r: (-(r.rel_error if r.rel_error is not None else -1),
                            r.input_rel_error or 0.0,
                            -(r.grad_rel_error or 0.0)))
-  total = Error.of(got[1:], want[1:]) if grad else None
-  return ShadowReport(tuple(rows), float(got[0]), float(want[0]),
+  total = Error.of(got.outs[1:], want.outs[1:]) if grad else None
+  return ShadowReport(tuple(rows), float(got.outs[0]), float(want.outs[0]),
                       total and total.rel_error)
 
 
-def _grads_by_module(call, got, want, modules: set) -> dict:
+def _grads_by_module(call, got: list, want: list, modules: set) -> dict:
   """Module path -> (its parameters' gradients as given, in float32)."""
   grads: dict[str, tuple[list, list]] = {}
   for k, i in enumerate(call.wrt):

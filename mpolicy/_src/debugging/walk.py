@@ -296,7 +296,8 @@ class Walker:
         continue
       self.events.append(Event("input", where=path))
       ids.append(self.new_id())
-      self.log(len(self.events) - 1, (), [ids[-1]], [self.check(x)], _Ctx())
+      self.log(len(self.events) - 1, (), [ids[-1]],
+               [self.check(x) if self.checking else None], _Ctx())
     return ids
 
   def run(self, jaxpr, consts, args, arg_ids, ctx: _Ctx = _Ctx(),
