@@ -49,6 +49,8 @@ from mpolicy._src.debugging.locate import locate_nonfinite
 from mpolicy._src.debugging.locate import NonFiniteReport
 from mpolicy._src.debugging.shadow import compare_to_float32
 from mpolicy._src.debugging.shadow import ShadowReport
+from mpolicy._src.debugging.suggest import PolicySuggestion
+from mpolicy._src.debugging.suggest import suggest_policy
 
 from mpolicy._src.haiku_bridge import current_policy
 from mpolicy._src.haiku_bridge import HaikuPolicyWarning
@@ -100,6 +102,7 @@ __all__ = (
     "OpRules",
     "Policy",
     "PolicyExplanation",
+    "PolicySuggestion",
     "Report",
     "ShadowReport",
     "SkipNonFiniteState",
@@ -142,6 +145,7 @@ __all__ = (
     "skip_nonfinite",
     "stochastic_params",
     "stochastic_round",
+    "suggest_policy",
     "transform_amp",
     "transform_amp_with_state",
     "update_if_finite",

@@ -83,6 +83,10 @@ class ShadowRow:
       modules (``None``: nothing; its own inputs); ``rel_error`` well
       above it means the module itself loses precision, rather than
       passing on what it was given.
+    backward_rel_error: the relative error of what its backward pass
+      hands out (the cotangents of its inputs, its parameters' gradients),
+      pooled (``None`` without ``grad``).
+    backward_input_rel_error: that of the cotangents it was handed.
     values: how many output values were compared.
     dtype: the dtype(s) it made its outputs in, in the run as given.
   """
@@ -95,6 +99,18 @@ class ShadowRow:
   input_rel_error: Optional[float]
   values: int
   dtype: str
+  backward_rel_error: Optional[float] = None
+  backward_input_rel_error: Optional[float] = None
+
+  def added(self) -> float:
+    """The error it adds of its own: in the forward or the backward pass,
+    the error of what it hands out less that of what it was handed."""
+    found = 0.0
+    for out, inp in ((self.rel_error, self.input_rel_error),
+                     (self.backward_rel_error, self.backward_input_rel_error)):
+      if out is not None:
+        found = max(found, out - (inp or 0.0))
+    return found
 
   @property
   def name(self) -> str:
@@ -137,10 +153,11 @@ class ShadowReport:
 
   def __str__(self) -> str:
     header = ("module (or op)", "rel error", "bias", "noise", "inputs' error",
-              "grad rel error", "values", "dtype")
+              "grad rel error", "backward", "values", "dtype")
     lines = [(r.name, _fmt(r.rel_error), _fmt(r.bias, True), _fmt(r.noise),
-              _fmt(r.input_rel_error), _fmt(r.grad_rel_error), str(r.values),
-              r.dtype) for r in self.rows]
+              _fmt(r.input_rel_error), _fmt(r.grad_rel_error),
+              _fmt(r.backward_rel_error), str(r.values), r.dtype)
+             for r in self.rows]
     out = [tables.text_table(header, lines)]
     loss_err = (abs(self.loss - self.loss_float32)
                 / max(abs(self.loss_float32), 1e-30))
@@ -197,11 +214,13 @@ _PASSING = frozenset({"convert_element_type", "reduce_precision"}) | (
 
 class Outputs:
   """Collects what each unit hands out, and reads, while a walker runs
-  (its observer).
+  (its observer): in the forward pass, values; in the backward pass,
+  cotangents (and the gradients it hands back).
 
   Attributes:
     values: ``(unit, k)`` -> the ``k``-th value that left ``unit``.
     reads: ``(unit, k)`` -> the ``k``-th value ``unit`` read from another.
+    backward_values, backward_reads: the same for the backward pass.
     dtypes: unit -> the dtypes of its outputs, as it made them.
 
   A unit is ``(path, "")`` for a module, ``("", "exp at model.py:12")``
@@ -211,14 +230,14 @@ class Outputs:
 
   def __init__(self, events: list, found: list):
     self._events, self._found = events, found
-    # Value id -> (unit, value, the dtype its unit made it in).
+    # Value id -> (direction, unit, value, the dtype its unit made it in).
     self._made: dict[int, tuple] = {}
     self._left: set[int] = set()
     self._read_by: set[tuple] = set()
     self._count: collections.Counter = collections.Counter()
-    self.values: dict[tuple, Any] = {}
-    self.reads: dict[tuple, Any] = {}
-    # Unit -> the dtypes of its outputs, as it made them.
+    self._kept = {"forward": ({}, {}), "backward": ({}, {})}
+    self.values, self.reads = self._kept["forward"]
+    self.backward_values, self.backward_reads = self._kept["backward"]
     self.dtypes: dict[tuple, set] = collections.defaultdict(set)
 
   def _unit(self, event: int) -> Optional[tuple]:
@@ -234,52 +253,59 @@ class Outputs:
         not site.path and site.primitive in _PASSING)):
       return None
     if site is None:
-      unit = ("", "(code outside amp)")
-    elif site.path:
-      unit = (site.path, "")
-    else:
-      unit = ("", f"{site.primitive} at "
-                  f"{os.path.basename(site.source) or '?'}")
-    return unit
+      return ("", "(code outside amp)")
+    if site.path:
+      return (site.path, "")
+    return ("", f"{site.primitive} at {os.path.basename(site.source) or '?'}")
 
   def made(self, event: int, in_ids, out_ids, outs) -> None:
-    if self._events[event].backward:
-      return  # The backward pass hands out no module outputs.
+    ev = self._events[event]
+    if "transpose" in ev.transforms:
+      direction = "backward"
+    elif ev.backward:
+      return  # A derivative's coefficient: neither pass hands it out.
+    else:
+      direction = "forward"
     unit = self._unit(event)
     if unit is None:
       self.passed(in_ids, out_ids[0], outs[0])
       return
     for vid in in_ids:
-      self._read(vid, unit)
+      self._read(vid, unit, direction)
     for vid, x in zip(out_ids, outs):
       if vid != walk.FINITE:
-        self._made[vid] = (unit, x, np.dtype(x.dtype).name)
+        self._made[vid] = (direction, unit, x, np.dtype(x.dtype).name)
 
   def passed(self, in_ids, out_id, value) -> None:
     source = next((self._made[i] for i in in_ids if i in self._made), None)
     if source is not None and out_id != walk.FINITE:
-      self._made[out_id] = (source[0], value, source[2])
+      self._made[out_id] = (source[0], source[1], value, source[3])
 
   def finish(self, out_ids) -> None:
     """The program's results leave every unit."""
     for vid in out_ids:
-      self._read(vid, None)
+      found = self._made.get(vid)
+      if found is not None:
+        self._read(vid, None, found[0])
 
-  def _read(self, vid: int, consumer) -> None:
+  def _read(self, vid: int, consumer, direction: str) -> None:
     found = self._made.get(vid)
-    if found is None:
+    if found is None or found[0] != direction:
       return
-    unit, value, dtype = found
+    _, unit, value, dtype = found
+    values, reads = self._kept[direction]
     if consumer is not None and consumer != unit and (
         (vid, consumer) not in self._read_by):
       self._read_by.add((vid, consumer))
-      self.reads[(consumer, self._count[("read", consumer)])] = value
-      self._count[("read", consumer)] += 1
+      key = (direction, "read", consumer)
+      reads[(consumer, self._count[key])] = value
+      self._count[key] += 1
     if vid not in self._left and _unit_outputs_leave(consumer, unit):
       self._left.add(vid)
-      self.values[(unit, self._count[unit])] = value
-      self._count[unit] += 1
-      self.dtypes[unit].add(dtype)
+      values[(unit, self._count[(direction, unit)])] = value
+      self._count[(direction, unit)] += 1
+      if direction == "forward":
+        self.dtypes[unit].add(dtype)
 
 
 def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:
@@ -363,12 +389,15 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
              if w is not None and np.shape(g) == np.shape(w)]
     return [g for g, _ in pairs], [w for _, w in pairs]
 
-  outputs = collections.defaultdict(list)
-  for key in got_out.values:
-    outputs[key[0]].append(key)
-  reads = collections.defaultdict(list)
-  for key in got_out.reads:
-    reads[key[0]].append(key)
+  def by_unit(kept: dict) -> dict:
+    found = collections.defaultdict(list)
+    for key in kept:
+      found[key[0]].append(key)
+    return found
+
+  outputs, reads = by_unit(got_out.values), by_unit(got_out.reads)
+  b_outputs = by_unit(got_out.backward_values)
+  b_reads = by_unit(got_out.backward_reads)
   grads = _grads_by_module(call, got.outs, want.outs,
                            {u[0] for u in outputs if u[0]})
   rows = []
@@ -376,6 +405,8 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
                                if (m, "") not in outputs]:
     out = Error.of(*pooled(outputs.get(unit, []), "values"))
     inp = Error.of(*pooled(reads.get(unit, []), "reads"))
+    b_out = Error.of(*pooled(b_outputs.get(unit, []), "backward_values"))
+    b_inp = Error.of(*pooled(b_reads.get(unit, []), "backward_reads"))
     g = Error.of(*grads[unit[0]]) if unit[0] in grads and unit[0] else None
     rows.append(ShadowRow(
         path=unit[0], op=unit[1],
@@ -383,7 +414,9 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
         noise=out and out.noise, grad_rel_error=g and g.rel_error,
         input_rel_error=inp and inp.rel_error,
         values=out.values if out else 0,
-        dtype=",".join(sorted(got_out.dtypes[unit]))))
+        dtype=",".join(sorted(got_out.dtypes[unit])),
+        backward_rel_error=b_out and b_out.rel_error,
+        backward_input_rel_error=b_inp and b_inp.rel_error))
   rows = [r for r in rows if r.values or r.grad_rel_error is not None]
   # Largest error first; of equal ones, the one given the most accurate
   # inputs (its own doing rather than passed on).

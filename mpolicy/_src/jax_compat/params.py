@@ -212,6 +212,25 @@ def shard_map_like(eqn, fn, n_in: int, n_out: int):
 # --- First-order params -----------------------------------------------------
 
 
+def matmul_flops(eqn) -> Optional[tuple[int, np.dtype]]:
+  """``(FLOPs, the dtype it multiplies in)`` of a matmul equation (a
+  ``dot_general``, or a primitive with its ``dimension_numbers`` and a
+  ``compute_dtype``, as mpolicy's own); ``None`` for any other. Two FLOPs
+  per multiply-add."""
+  dims = eqn.params.get("dimension_numbers")
+  if (len(eqn.invars) != 2 or not isinstance(dims, tuple) or len(dims) != 2
+      or not all(isinstance(d, tuple) and len(d) == 2 for d in dims)):
+    return None
+  (_, rhs_contract), (_, rhs_batch) = dims
+  lhs, rhs = (v.aval for v in eqn.invars)
+  free = [n for i, n in enumerate(rhs.shape)
+          if i not in rhs_contract and i not in rhs_batch]
+  flops = 2 * int(np.prod(lhs.shape, dtype=np.int64)) * int(
+      np.prod(free, dtype=np.int64))
+  dtype = eqn.params.get("compute_dtype") or lhs.dtype
+  return flops, np.dtype(dtype)
+
+
 def is_collective(eqn) -> bool:
   """Whether ``eqn`` names mesh axes (``psum``, ``all_gather``, ...): its
   result on one device depends on the others'."""
@@ -317,6 +336,7 @@ __all__ = [
     "custom_jvp_num_consts",
     "dot_params",
     "is_collective",
+    "matmul_flops",
     "out_sharding",
     "params_with_result_dtype",
     "ragged_dot_dimension_numbers",
