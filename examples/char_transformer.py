@@ -18,7 +18,10 @@ pattern on a module's own name beats the class default). LayerNorms follow
 The step is written out: `mpolicy.scaled_value_and_grad` (scale, grad,
 unscale, finiteness check, scale adjustment in one call), then an optimizer
 wrapped in `mpolicy.skip_nonfinite`, which leaves params and optimizer state
-as they were when the gradients are not finite.
+as they were when the gradients are not finite. With `--microbatches=k` the
+step is `mpolicy.make_train_step(..., microbatches=k)` instead: each batch
+runs as k microbatches (a k-times-smaller batch's activations), gradients
+summed in float32, one loss-scale decision and one Adam update per batch.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ flags.DEFINE_bool(
     "the first non-finite value appeared (mpolicy.locate_nonfinite on that "
     "batch, with that step's loss scale), for the first "
     f"{3} skipped steps.")
+flags.DEFINE_integer(
+    "microbatches", 1, "Split each batch into this many microbatches and "
+    "accumulate their gradients (1: no accumulation); divides --batch_size.")
 
 
 def _check_corpus_files(names: Sequence[str]) -> bool:
@@ -89,6 +95,10 @@ flags.register_validator("attention_policy", mp_flags.check_policy_spec)
 for _name in ("seq_len", "d_model", "num_heads", "num_layers"):
   flags.register_validator(_name, lambda v: v >= 1,
                            message=f"--{_name} must be at least 1.")
+flags.register_multi_flags_validator(
+    ["batch_size", "microbatches"],
+    lambda f: f["microbatches"] >= 1 and f["batch_size"] % f["microbatches"] == 0,
+    message="--microbatches must be at least 1 and divide --batch_size.")
 flags.register_multi_flags_validator(
     ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
     message="--d_model must be a multiple of --num_heads.")
@@ -182,7 +192,8 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
           attention_policy: str = "", scale_type: str = "NoOp",
           scale_value: float = 2.0**15, steps: int = 300, batch_size: int = 32,
           learning_rate: float = 3e-3, seed: int = 0,
-          log_every: int = 50, debug_nonfinite: bool = False) -> mp_report.Run:
+          log_every: int = 50, microbatches: int = 1,
+          debug_nonfinite: bool = False) -> mp_report.Run:
   """Trains the LM under the given policies; returns the run's record.
 
   With `debug_nonfinite`, a skipped step prints `mpolicy.locate_nonfinite`'s
@@ -206,6 +217,19 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
                                             grads_finite=finite)
       params = optax.apply_updates(params, updates)
       return params, opt_state, loss_scale, loss, finite
+
+    if microbatches > 1:  # The same step over microbatches, in one call.
+      optimizer = optax.adam(learning_rate)
+      accumulating = jax.jit(mpolicy.make_train_step(
+          lambda p, b: lm_loss(model.apply, p, b), optimizer, has_aux=True,
+          microbatches=microbatches),
+          # --debug_nonfinite reads a skipped step's params afterwards.
+          donate_argnums=() if debug_nonfinite else (0, 1))
+
+      def train_step(params, opt_state, loss_scale, batch):  # pylint: disable=function-redefined
+        out = accumulating(params, opt_state, loss_scale, batch)
+        return (out.params, out.opt_state, out.loss_scale, out.value[0],
+                out.grads_finite)
 
     starts = sample_starts(corpus.train, config.seq_len, steps, batch_size,
                            seed)
@@ -267,7 +291,7 @@ def main() -> None:
         f"{jax.default_backend()}")
   settings = dict(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
                   learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-                  log_every=FLAGS.log_every,
+                  log_every=FLAGS.log_every, microbatches=FLAGS.microbatches,
                   debug_nonfinite=FLAGS.debug_nonfinite)
   runs = []
   if FLAGS.compare:

@@ -11,27 +11,45 @@ An MLP with BatchNorm on scikit-learn's digits (no download), trained with
   over 'data', the finiteness flag agreed, BatchNorm's running statistics
   averaged (BatchNorm normalises with each device's own batch statistics,
   as under `pmap`).
+* `--microbatches=k` (any mode): each batch runs as k strided microbatches
+  with float32 gradient sums and one update (`make_train_step(...,
+  microbatches=k)`); the one-device run uses the same k.
 
 On CPU the devices are simulated (8 unless `XLA_FLAGS` already sets
 `--xla_force_host_platform_device_count`). Run it as a file from any
 directory: `python examples/data_parallel.py --steps=50`.
+
+Many processes, one mesh: `--num_processes=2` starts the script twice on
+this machine (4 simulated devices each, joined by `jax.distributed` over
+localhost, CPU collectives through gloo); the mesh spans the 8 devices of
+both, and each process feeds only its own rows of every batch
+(`jax.make_array_from_process_local_data`). On a cluster, start one copy
+per host with `--cluster` instead: `jax.distributed.initialize()` then
+reads the cluster's environment (SLURM, Open MPI, Kubernetes, Cloud TPU).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8")
+_COUNT = "--xla_force_host_platform_device_count"
+_ASKED = _COUNT[2:] in os.environ.get("XLA_FLAGS", "")  # Devices named.
+if not _ASKED:
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" {_COUNT}=8"
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Sibling modules in examples/ (the script's directory is on sys.path).
@@ -44,6 +62,21 @@ FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(mp_flags)
 flags.DEFINE_bool("fsdp", False, "Shard the weight matrices over 'data'.")
 flags.DEFINE_bool("shard_map", False, "Run the step inside jax.shard_map.")
+flags.DEFINE_integer(
+    "num_processes", 1, "Run as this many JAX processes on this machine, "
+    "joined over localhost, each feeding its own rows of every batch.",
+    lower_bound=1)
+flags.DEFINE_bool("cluster", False, "Join a cluster's other processes: "
+                  "jax.distributed.initialize() reads its environment.")
+flags.DEFINE_integer("process_id", None, "Set by --num_processes for the "
+                     "processes it starts.")
+flags.DEFINE_string("coordinator_address", None, "Set by --num_processes "
+                    "for the processes it starts.")
+flags.DEFINE_integer(
+    "microbatches", 1, "Accumulate gradients over this many microbatches "
+    "per batch (1: none); divides each device's share of --batch_size.")
+flags.register_validator("microbatches", lambda k: k >= 1,
+                         message="--microbatches must be at least 1.")
 
 HIDDEN = 64
 
@@ -83,7 +116,8 @@ def train(mesh, data, mode):
     step = make_shard_map_step(mesh, loss_fn, tx, params, opt_state,
                                loss_scale)
   else:
-    step = jax.jit(mpolicy.make_train_step(loss_fn, tx, has_state=True))
+    step = jax.jit(mpolicy.make_train_step(
+        loss_fn, tx, has_state=True, microbatches=FLAGS.microbatches))
   if mode in ("jit", "fsdp", "shard_map"):
     put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
     if mode == "fsdp":
@@ -94,19 +128,34 @@ def train(mesh, data, mode):
       params = put(params, P())
   loss = None
   for batch in idx:
-    x, y = jnp.asarray(x_all[batch]), jnp.asarray(data.y_train[batch])
-    if mode != "one":
-      x = jax.device_put(x, NamedSharding(mesh, P("data")))
-      y = jax.device_put(y, NamedSharding(mesh, P("data")))
+    x, y = x_all[batch], data.y_train[batch]
+    if mode == "one":
+      x, y = jnp.asarray(x), jnp.asarray(y)
+    else:
+      x, y = feed(mesh, x), feed(mesh, y)
     out = step(params, state, opt_state, loss_scale, x, y)
     params, state, opt_state = out.params, out.model_state, out.opt_state
     loss_scale, loss = out.loss_scale, out.value
   return float(loss), params
 
 
+def feed(mesh, rows):
+  """This process's share of a batch, as one array split over 'data'.
+
+  Every process knows the whole batch here; a data loader on a cluster
+  reads only the rows of its process (`jax.devices()` lists each
+  process's devices together, so process p holds the p-th share).
+  """
+  share = len(rows) // jax.process_count()
+  mine = rows[jax.process_index() * share:(jax.process_index() + 1) * share]
+  return jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("data")), mine, rows.shape)
+
+
 def make_shard_map_step(mesh, loss_fn, tx, params, opt_state, loss_scale):
   step = mpolicy.make_train_step(loss_fn, tx, has_state=True,
-                                 axis_name="data")
+                                 axis_name="data",
+                                 microbatches=FLAGS.microbatches)
   rep = lambda tree: jax.tree.map(lambda _: P(), tree)
 
   def body(params, state, opt_state, loss_scale, x, y):
@@ -121,17 +170,79 @@ def make_shard_map_step(mesh, loss_fn, tx, params, opt_state, loss_scale):
       out_specs=out_specs))
 
 
+def launch_processes(n: int) -> None:
+  """Runs this script in `n` processes joined over localhost; waits."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ)
+  if not _ASKED:  # 8 devices in all; XLA_FLAGS's count is per process.
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(f"{_COUNT}=8",
+                                                f"{_COUNT}={8 // n}")
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+       f"--process_id={i}", f"--coordinator_address=localhost:{port}"],
+      env=env) for i in range(n)]
+  while any(p.poll() is None for p in procs):
+    if any(p.returncode for p in procs):  # One failed: stop the others.
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+    time.sleep(0.05)
+  codes = [p.returncode for p in procs]
+  if any(codes):
+    sys.exit(f"data_parallel: the processes exited with {codes}")
+
+
+def exit_at_once(*error) -> None:
+  """An error ends this process now: jax.distributed's exit handler would
+  wait for the other processes, which may be waiting for this one."""
+  traceback.print_exception(*error)
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
+
+
+def join() -> None:
+  """Joins the other processes, if any (before JAX's first computation)."""
+  if FLAGS.process_id is not None:  # Started by --num_processes.
+    sys.excepthook = exit_at_once
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id)
+  elif FLAGS.cluster:
+    jax.distributed.initialize()
+
+
+def whole(x) -> np.ndarray:
+  """The whole value of an array, also one split across processes."""
+  if not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
+
+
 def main() -> None:
+  if FLAGS.num_processes > 1 and FLAGS.process_id is None:
+    launch_processes(FLAGS.num_processes)
+    return
+  join()
   data = digits_data.load_digits()
   n = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("data",))
   mode = "shard_map" if FLAGS.shard_map else "fsdp" if FLAGS.fsdp else "jit"
-  one_loss, one_params = train(None, data, "one")
+  if FLAGS.batch_size % (n * FLAGS.microbatches):
+    raise app.UsageError(
+        f"--microbatches={FLAGS.microbatches} must divide each device's "
+        f"share of --batch_size={FLAGS.batch_size} over {n} devices: use a "
+        f"batch size that is a multiple of {n * FLAGS.microbatches}.")
+  one_loss, one_params = train(None, data, "one")  # Each process alone.
   loss, params = train(mesh, data, mode)
-  diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+  diff = max(float(np.max(np.abs(whole(a) - whole(b)))) for a, b in zip(
       jax.tree.leaves(params), jax.tree.leaves(one_params)))
-  print(f"{mode} on {n} devices: final loss {loss:.4f}; one device: "
-        f"{one_loss:.4f}; max |param difference| {diff:.2e}")
+  where = (f" in {jax.process_count()} processes"
+           if jax.process_count() > 1 else "")
+  if jax.process_index() == 0:
+    print(f"{mode} on {n} devices{where}: final loss {loss:.4f}; one "
+          f"device: {one_loss:.4f}; max |param difference| {diff:.2e}")
 
 
 if __name__ == "__main__":

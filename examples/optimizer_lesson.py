@@ -13,6 +13,7 @@ and the same seed and batches, holding the weights three ways:
    `with_state_dtypes(adam, jnp.bfloat16, rounding="stochastic")`): 6 bytes.
 
 and, with `--compare`, a float32 baseline (policy 'full', float32 params).
+`--modes=stochastic` (a comma-separated list) trains only the ways named.
 
 Adam's step is about the learning rate whatever the gradient, and a
 bfloat16 weight ignores any step below half its spacing (2**-9 of its
@@ -46,6 +47,12 @@ flags.adopt_module_key_flags(char_transformer)  # and the model's.
 NEVER_CHANGED = "params never changed (%)"
 STILL = "params the step left unchanged (%)"
 MODES = ("master", "nearest", "stochastic")
+
+flags.DEFINE_list("modes", list(MODES),
+                  f"Which of the ways to hold the weights to train, of {MODES}.")
+flags.register_validator(
+    "modes", lambda modes: bool(modes) and set(modes) <= set(MODES),
+    f"--modes must be a comma-separated, non-empty subset of {MODES}.")
 
 
 def optimizer_for(mode: str, learning_rate: float):
@@ -153,7 +160,7 @@ def lesson_table(runs, reference: str = "master") -> str:
 
 
 def main() -> None:
-  config = char_transformer.ModelConfig.from_flags()
+  config = char_transformer.model_config_from_flags()
   corpus = char_transformer.load_corpus_from_flags(config.seq_len)
   print(f"Optimizer lesson: char transformer d_model={config.d_model}, "
         f"{config.num_layers} layers, {FLAGS.steps} steps of "
@@ -164,7 +171,7 @@ def main() -> None:
                   learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
                   log_every=FLAGS.log_every, policy=FLAGS.mp_policy,
                   norm_policy=FLAGS.mp_bn_policy)
-  modes = (("f32",) if FLAGS.compare else ()) + MODES
+  modes = (("f32",) if FLAGS.compare else ()) + tuple(FLAGS.modes)
   runs = [run(corpus, config, mode=m, **settings) for m in modes]
   print()
   print(lesson_table(runs))

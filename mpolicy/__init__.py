@@ -11,6 +11,10 @@ and optax training helpers.
 dtype('float32')
 """
 
+import importlib as _importlib
+from importlib import util as _importlib_util
+import typing as _typing
+
 from mpolicy._src.policy import cast_to_full
 from mpolicy._src.policy import cast_to_half
 from mpolicy._src.policy import get_policy
@@ -30,8 +34,9 @@ from mpolicy._src.registry import policy_for
 from mpolicy._src.registry import push_policy
 from mpolicy._src.registry import set_policy
 
-from mpolicy._src.haiku_registry import explain_policy
-from mpolicy._src.haiku_registry import PolicyExplanation
+from mpolicy._src.class_lookup import explain_policy
+from mpolicy._src.class_lookup import PolicyExplanation
+from mpolicy._src.module_calls import current_policy
 
 from mpolicy._src.op_rules import DEFAULT_RULES
 from mpolicy._src.op_rules import OpRules
@@ -52,46 +57,80 @@ from mpolicy._src.debugging.shadow import ShadowReport
 from mpolicy._src.debugging.suggest import PolicySuggestion
 from mpolicy._src.debugging.suggest import suggest_policy
 
-from mpolicy._src.haiku_bridge import current_policy
-from mpolicy._src.haiku_bridge import HaikuPolicyWarning
-from mpolicy._src.haiku_bridge import transform_amp
-from mpolicy._src.haiku_bridge import transform_amp_with_state
-from mpolicy._src.haiku_bridge import with_policies
-
 from mpolicy._src.training.scaling import scaled_value_and_grad
-
-from mpolicy._src.training.skipping import skip_nonfinite
-from mpolicy._src.training.skipping import SkipNonFiniteState
-from mpolicy._src.training.skipping import update_if_finite
-
-from mpolicy._src.training.master_weights import init_master_weights
-from mpolicy._src.training.master_weights import master_weights
-from mpolicy._src.training.master_weights import MasterWeightsState
-from mpolicy._src.training.master_weights import params_from_master
-
-from mpolicy._src.training.stable_dtypes import keep_dtypes
-
 from mpolicy._src.training.attribution import nonfinite_flags
 from mpolicy._src.training.attribution import nonfinite_paths
-
-from mpolicy._src.training.train_step import make_train_step
-from mpolicy._src.training.train_step import TrainStepResult
-
 from mpolicy._src.training.stochastic_rounding import stochastic_round
 
-from mpolicy._src.training.state_dtypes import StateDtypesState
-from mpolicy._src.training.state_dtypes import with_state_dtypes
+# The names below need a package beyond JAX and numpy. Each is imported on
+# first use (see `__getattr__`), so `import mpolicy` loads none of those
+# packages; type checkers and IDEs read the imports here.
+if _typing.TYPE_CHECKING:
+  from mpolicy._src.haiku_bridge import HaikuPolicyWarning
+  from mpolicy._src.haiku_bridge import transform_amp
+  from mpolicy._src.haiku_bridge import transform_amp_with_state
+  from mpolicy._src.haiku_bridge import with_policies
 
-from mpolicy._src.training.half_params import apply_updates_stochastic
-from mpolicy._src.training.half_params import stochastic_params
-from mpolicy._src.training.half_params import StochasticParamsState
+  from mpolicy._src.training.skipping import skip_nonfinite
+  from mpolicy._src.training.skipping import SkipNonFiniteState
+  from mpolicy._src.training.skipping import update_if_finite
+  from mpolicy._src.training.master_weights import init_master_weights
+  from mpolicy._src.training.master_weights import master_weights
+  from mpolicy._src.training.master_weights import MasterWeightsState
+  from mpolicy._src.training.master_weights import params_from_master
+  from mpolicy._src.training.stable_dtypes import keep_dtypes
+  from mpolicy._src.training.train_step import make_train_step
+  from mpolicy._src.training.train_step import TrainStepResult
+  from mpolicy._src.training.accumulation_check import AccumulationCheck
+  from mpolicy._src.training.accumulation_check import check_accumulation
+  from mpolicy._src.training.state_dtypes import StateDtypesState
+  from mpolicy._src.training.state_dtypes import with_state_dtypes
+  from mpolicy._src.training.half_params import apply_updates_stochastic
+  from mpolicy._src.training.half_params import stochastic_params
+  from mpolicy._src.training.half_params import StochasticParamsState
 
-from mpolicy._src.checkpoint import restore_checkpoint
-from mpolicy._src.checkpoint import save_checkpoint
+  from mpolicy._src.checkpoint import restore_checkpoint
+  from mpolicy._src.checkpoint import save_checkpoint
+  from mpolicy._src.checkpoint_manager import CheckpointManager
+
+# The package each lazy module needs (its import name, and what to install).
+_HAIKU = ("haiku", "dm-haiku")
+_OPTAX = ("optax", "optax")
+_ORBAX = ("orbax.checkpoint", "orbax-checkpoint")
+
+# Lazy name -> (the module that defines it, the package it needs).
+_LAZY = {
+    "HaikuPolicyWarning": ("mpolicy._src.haiku_bridge", _HAIKU),
+    "transform_amp": ("mpolicy._src.haiku_bridge", _HAIKU),
+    "transform_amp_with_state": ("mpolicy._src.haiku_bridge", _HAIKU),
+    "with_policies": ("mpolicy._src.haiku_bridge", _HAIKU),
+    "skip_nonfinite": ("mpolicy._src.training.skipping", _OPTAX),
+    "SkipNonFiniteState": ("mpolicy._src.training.skipping", _OPTAX),
+    "update_if_finite": ("mpolicy._src.training.skipping", _OPTAX),
+    "init_master_weights": ("mpolicy._src.training.master_weights", _OPTAX),
+    "master_weights": ("mpolicy._src.training.master_weights", _OPTAX),
+    "MasterWeightsState": ("mpolicy._src.training.master_weights", _OPTAX),
+    "params_from_master": ("mpolicy._src.training.master_weights", _OPTAX),
+    "keep_dtypes": ("mpolicy._src.training.stable_dtypes", _OPTAX),
+    "make_train_step": ("mpolicy._src.training.train_step", _OPTAX),
+    "TrainStepResult": ("mpolicy._src.training.train_step", _OPTAX),
+    "AccumulationCheck": ("mpolicy._src.training.accumulation_check", _OPTAX),
+    "check_accumulation": ("mpolicy._src.training.accumulation_check", _OPTAX),
+    "StateDtypesState": ("mpolicy._src.training.state_dtypes", _OPTAX),
+    "with_state_dtypes": ("mpolicy._src.training.state_dtypes", _OPTAX),
+    "apply_updates_stochastic": ("mpolicy._src.training.half_params", _OPTAX),
+    "stochastic_params": ("mpolicy._src.training.half_params", _OPTAX),
+    "StochasticParamsState": ("mpolicy._src.training.half_params", _OPTAX),
+    "restore_checkpoint": ("mpolicy._src.checkpoint", _ORBAX),
+    "save_checkpoint": ("mpolicy._src.checkpoint", _ORBAX),
+    "CheckpointManager": ("mpolicy._src.checkpoint_manager", _ORBAX),
+}
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumulationCheck",
+    "CheckpointManager",
     "DEFAULT_RULES",
     "DynamicLossScale",
     "HaikuPolicyWarning",
@@ -116,6 +155,7 @@ __all__ = (
     "apply_updates_stochastic",
     "cast_to_full",
     "cast_to_half",
+    "check_accumulation",
     "clear_policies",
     "clear_policy",
     "compare_to_float32",
@@ -161,7 +201,31 @@ _REMOVED = {
 }
 
 
+def _needs(name: str, package: tuple[str, str]) -> None:
+  """Raises an `ImportError` naming what to install if ``package`` is
+  missing; finds it without importing it."""
+  import_name, install = package
+  try:
+    found = _importlib_util.find_spec(import_name) is not None
+  except ImportError:  # A missing parent package, or an import blocked.
+    found = False
+  if not found:
+    raise ImportError(
+        f"mpolicy.{name} needs {import_name}, which is not installed: "
+        f"pip install {install}")
+
+
 def __getattr__(name):
+  if name in _LAZY:
+    module, package = _LAZY[name]
+    _needs(name, package)
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # Later reads do not come here.
+    return value
   if name in _REMOVED:
     raise AttributeError(f"mpolicy.{name} was removed: {_REMOVED[name]}.")
   raise AttributeError(f"module 'mpolicy' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))

@@ -63,6 +63,24 @@ def facts_on_eight_devices(script: str) -> dict:
   return json.loads(line[len("FACTS="):])
 
 
+def record(facts: dict, name: str, fn) -> None:
+  """In an ``eight_devices`` script: ``facts[name] = fn()``, or the
+  exception it raised as ``{"error": ...}``, so that one defect does not
+  hide the others."""
+  try:
+    facts[name] = fn()
+  except Exception as e:  # pylint: disable=broad-except
+    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def fact(facts: dict, name: str):
+  """The fact ``name`` of an ``eight_devices`` script that records a case's
+  exception as ``{"error": ...}``; fails the test with that error."""
+  value = facts[name]
+  assert not (isinstance(value, dict) and "error" in value), value
+  return value
+
+
 def multiplies_in(eqn) -> tuple:
   """The dtypes an equation's operands are multiplied in.
 
@@ -87,3 +105,62 @@ def poison(x, factor):
 
 poison.defvjp(lambda x, f: (x, f),
               lambda f, ct: (ct * f.astype(ct.dtype), jnp.zeros_like(f)))
+
+
+def damage_arrays(path) -> None:
+  """Cuts in half every data file of a `save_checkpoint` checkpoint's
+  arrays (its metadata stays readable)."""
+  import os  # pylint: disable=g-import-not-at-top
+  for root, _, names in os.walk(os.path.join(path, "state")):
+    for name in names:
+      if os.sep + "d" in root:
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(os.path.getsize(f.name) // 2)
+
+
+def jax_error(fn, *args):
+  """The type of the exception plain JAX raises running ``fn(*args)``, or
+  None: which combinations JAX supports (a scan under ``jax_scan3`` has no
+  gradient in JAX 0.12), so a test checks amp against JAX where JAX runs
+  and expects the same refusal where it does not."""
+  try:
+    jax.block_until_ready(fn(*args))
+  except Exception as e:  # pylint: disable=broad-except
+    return type(e)
+  return None
+
+
+def checkpoints(fn, *args) -> list:
+  """``(policy, body jaxpr)`` of each `jax.checkpoint` in ``fn``'s jaxpr,
+  classic (``remat2``) or under ``jax_remat3``."""
+  out = []
+  for eqn in all_eqns(fn, *args):
+    obj = jax_compat.hijax.hi_object(eqn)
+    if eqn.primitive is jax_compat.remat_p:
+      out.append((jax_compat.sub_jaxpr(eqn, "policy"),
+                  jax_compat.sub_jaxpr(eqn)))
+    elif obj is not None and jax_compat.hijax.kind(obj) == "remat":
+      out.append((jax_compat.hijax.remat_policy(obj),
+                  jax_compat.hijax.remat_body(obj)))
+  return out
+
+
+def loop_carry_dtypes(fn, *args) -> list:
+  """The dtype each loop carry of ``fn``'s scans keeps inside the body
+  (classic ``scan``: the body's carry inputs and outputs; ``jax_scan3``:
+  the references the body reads and writes)."""
+  out = []
+  for eqn in all_eqns(fn, *args):
+    obj = jax_compat.hijax.hi_object(eqn)
+    if eqn.primitive is jax_compat.scan_p:
+      _, n_carry = jax_compat.scan_counts(eqn.params)
+      start = jax_compat.scan_counts(eqn.params)[0]
+      body = jax_compat.sub_jaxpr(eqn)
+      ins = [a.dtype for a in body.in_avals[start:start + n_carry]]
+      outs = [a.dtype for a in body.out_avals[:n_carry]]
+      assert ins == outs, (ins, outs)
+      out += ins
+    elif obj is not None and jax_compat.hijax.kind(obj) == "scan":
+      body = jax_compat.hijax.scan_body(obj)
+      out += [a.dtype for a in body.in_avals if jax_compat.is_ref(a)]
+  return out

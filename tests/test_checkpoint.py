@@ -15,6 +15,7 @@ import pytest
 
 import mpolicy
 from mpolicy._src import checkpoint
+from mpolicy._src import checkpoint_leaves
 from mpolicy._src import loss_scale as ls_lib
 
 from _helpers import poison
@@ -24,7 +25,7 @@ from _helpers import same_bits
 def _key_bits(tree):
   """`tree` with typed PRNG keys as their raw data, for `same_bits`."""
   return jax.tree_util.tree_map(
-      lambda x: jax.random.key_data(x) if checkpoint._is_key(x) else x, tree)
+      lambda x: jax.random.key_data(x) if checkpoint_leaves.is_key(x) else x, tree)
 
 
 def _every_kind():
@@ -169,6 +170,7 @@ _RACER = r"""
 import glob, sys, time
 import jax.numpy as jnp
 from mpolicy._src import checkpoint
+from mpolicy._src import checkpoint_leaves
 i, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tree = {"w": jnp.full((4096,), i, jnp.bfloat16), "i": jnp.int32(i)}
 open(f"{path}.ready{i}", "w").close()
@@ -239,6 +241,80 @@ def test_a_damaged_checkpoint_raises_value_error(tmp_path, damage):
   path, tree = _save_and_damage(tmp_path, damage)
   with pytest.raises(ValueError, match="checkpoint"):
     checkpoint.restore_checkpoint(path, tree)
+
+
+_DAMAGED_READS = r"""
+import os, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from mpolicy._src import checkpoint
+from _helpers import damage_arrays
+tree = {"w": jnp.arange(1000.), "v": jnp.ones(5000), "k": jax.random.key(0),
+        "n": np.ones(3), "s": jnp.int32(3)}
+for i in range(6):
+  path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  checkpoint.save_checkpoint(path, tree)
+  damage_arrays(path)
+  try:
+    checkpoint.restore_checkpoint(path, tree)
+  except ValueError as e:
+    print("damaged" if "the checkpoint is damaged" in str(e) else e)
+"""
+
+
+def test_a_damaged_checkpoint_leaves_nothing_to_print_at_exit():
+  # orbax reads the arrays concurrently and stops at the first error; the
+  # reads in flight, the tasks whose errors nobody read and the coroutines
+  # never awaited used to print tracebacks, often at interpreter exit.
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "tests")]))
+  proc = subprocess.run([sys.executable, "-c", _DAMAGED_READS], env=env,
+                        cwd=repo, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split() == ["damaged"] * 6, proc.stdout
+  assert proc.stderr == "", proc.stderr
+
+
+def test_64_bit_host_values_restore_into_an_eval_shape_template(tmp_path):
+  init = lambda: {"f": np.float64(1 + 2. ** -40), "i": np.int64(2 ** 40),
+                  "a": np.arange(3.), "step": 7, "w": jnp.ones(2)}
+  checkpoint.save_checkpoint(tmp_path / "ckpt", init())
+  template = jax.eval_shape(init)  # float32 and int32 without x64.
+  assert template["f"].dtype == jnp.float32
+  restored = checkpoint.restore_checkpoint(tmp_path / "ckpt", template)
+  assert type(restored["f"]) is np.float64 and restored["f"] == 1 + 2. ** -40
+  assert type(restored["i"]) is np.int64 and restored["i"] == 2 ** 40
+  assert restored["a"].dtype == np.float64 and restored["a"].tolist() == [
+      0., 1., 2.]
+  assert type(restored["step"]) is int and restored["step"] == 7
+  assert isinstance(restored["w"], jax.Array)
+  wrong = dict(template, f=jax.ShapeDtypeStruct((), jnp.int32))
+  with pytest.raises(ValueError, match=r"\['f'\]: checkpoint has float64\[\], "
+                     r"template wants int32\[\]"):
+    checkpoint.restore_checkpoint(tmp_path / "ckpt", wrong)
+
+
+def test_numpy_scalars_restore_into_numpy_scalars(tmp_path):
+  tree = {"s": np.float32(2.5), "b": np.bool_(True), "h": np.float16(3.)}
+  checkpoint.save_checkpoint(tmp_path / "ckpt", tree)
+  template = {"s": np.float32(0), "b": np.bool_(False), "h": np.float16(0)}
+  restored = checkpoint.restore_checkpoint(tmp_path / "ckpt", template)
+  assert type(restored["s"]) is np.float32 and restored["s"] == 2.5
+  assert type(restored["b"]) is np.bool_ and restored["b"]
+  assert type(restored["h"]) is np.float16 and restored["h"] == 3.
+
+
+def test_a_missing_template_or_path_is_named(tmp_path):
+  checkpoint.save_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="template is None; pass a pytree like "
+                     "the one saved.*jax.eval_shape"):
+    checkpoint.restore_checkpoint(tmp_path / "ckpt", None)
+  with pytest.raises(TypeError, match="restore_checkpoint: path must be a "
+                     "directory path.*got NoneType"):
+    checkpoint.restore_checkpoint(None, {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="save_checkpoint: path must be a "
+                     "directory path.*got int"):
+    checkpoint.save_checkpoint(3, {"w": jnp.ones(2)})
 
 
 def test_what_is_not_a_checkpoint_is_named(tmp_path):

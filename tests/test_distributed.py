@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from _helpers import fact
+
 
 EIGHT_DEVICES = r'''
 import json, re
@@ -27,13 +29,9 @@ import os
 
 N = jax.device_count()
 assert N == 8, N
+from _helpers import record
 facts = {}
-
-def guard(name, fn):
-  try:
-    facts[name] = fn()
-  except Exception as e:  # recorded, so one defect does not hide the others
-    facts[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+guard = lambda name, fn: record(facts, name, fn)
 
 def relerr(a, b):
   a = jax.tree_util.tree_leaves(a); b = jax.tree_util.tree_leaves(b)
@@ -157,6 +155,33 @@ def fsdp_loss_f(p, x, y, f):
   return mpolicy.amp(inner, POLICY)(full, x, y, f)
 guard("skip_fsdp_make_step", skip_fsdp_make_step)
 
+# --- Accumulation: skip_nonfinite(optax.MultiSteps(...)), FSDP, one bad device --
+def multisteps_fsdp():
+  tx = mpolicy.skip_nonfinite(optax.MultiSteps(optax.sgd(0.5), 2))
+  g = mpolicy.scaled_value_and_grad(fsdp_loss_f, axis_name="d")
+  s0 = tx.init(params)
+  sspec = jax.tree.map(lambda _: P(), s0)
+  sspec = sspec._replace(inner_state=sspec.inner_state._replace(acc_grads=FS))
+  def body(p, s, ls, x, y, f):
+    ls, finite, _, gr = g(ls, p, x, y, f)
+    u, s = tx.update(gr, s, p, grads_finite=finite)
+    return optax.apply_updates(p, u), s, ls
+  fn = smap(body, mesh1, (FS, sspec, P(), P("d"), P("d"), P("d")), (FS, sspec, P()))
+  bad = jnp.ones(8).at[3].set(jnp.nan)     # device 3's shard only
+  p1, s1, ls1 = fn(params, s0, LS, x, y, jnp.ones(8))
+  p2, s2, ls2 = fn(p1, s1, ls1, x, y, bad)
+  p3, s3, _ = fn(p2, s2, ls2, x[::-1], y[::-1], jnp.ones(8))
+  same = lambda a, b: all(bool(jnp.array_equal(u, v)) for u, v in
+                          zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  one = mpolicy.scaled_value_and_grad(loss)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, one(LS, params, x, y)[3],
+                      one(LS, params, x[::-1], y[::-1])[3])
+  want = jax.tree.map(lambda w, d: w - 0.5 * d, params, mean)
+  return {"bad_kept_state": same(s2.inner_state, s1.inner_state) and same(p2, params),
+          "total_notfinite": int(s2.total_notfinite), "loss_scale": float(ls2.loss_scale),
+          "gradient_step": int(s3.inner_state.gradient_step), "relerr": relerr(p3, want)}
+guard("multisteps_fsdp", multisteps_fsdp)
+
 # --- BatchNorm-style state under shard_map(out_specs=P()) ----------------------
 def bn_state():
   def loss_fn(p, state, x, y):
@@ -195,39 +220,70 @@ def explicit():
   return out
 guard("explicit", explicit)
 
-# --- The reduction dtype in the compiled HLO ------------------------------------
-def collectives(hlo):
-  """Each gradient-sized all-reduce / reduce-scatter's element types, and
-  whether XLA:CPU promoted it (it runs bf16 reductions in f32 and marks the
-  reduction region `_promoted`): what the program asked for is the type
-  before promotion."""
+# --- The reduction dtype, in the lowered program ------------------------------
+# The lowered StableHLO is what the program asks the backend for: XLA:CPU's
+# compiler runs a bf16 all-reduce in f32 by itself, a GPU does not.
+BF = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+def lowered_collectives(text):
+  """(op, element type) of each non-scalar all-reduce / reduce-scatter."""
+  out = set()
+  for m in re.finditer(r'"stablehlo\.(all_reduce|reduce_scatter)"\(.*?\}\) : '
+                       r'\((.*?)\) ->', text, re.S):
+    for t in re.findall(r"tensor<[\dx]+x(\w+)>", m.group(2)):
+      out.add((m.group(1), t))
+  return sorted(out)
+def compiled_collectives(hlo):
+  """The same from compiled HLO, where XLA:CPU marks a bf16 reduction it
+  promoted to f32 `_promoted`: the type before promotion is reported."""
   out = set()
   for line in hlo.splitlines():
     m = re.search(r"= (.*?) (all-reduce|reduce-scatter|all-reduce-start)\(", line)
     if not m:
       continue
-    shapes = re.findall(r"(bf16|f16|f32|f64|s32|pred)\[([\d,]*)\]", m.group(1))
-    for t, dims in shapes:
+    for t, dims in re.findall(r"(bf16|f16|f32|f64|s32|pred)\[([\d,]*)\]", m.group(1)):
       if dims:  # scalars are the loss / flag, not gradients
-        out.add((m.group(2).replace("-start", ""),
+        out.add((m.group(2).replace("-start", "").replace("-", "_"),
                  "bf16" if "_promoted" in line and t == "f32" else t))
   return sorted(out)
-def hlo_dtypes():
+def step_grads(p, x, y, rd, train_step=False):
+  if train_step:
+    step = mpolicy.make_train_step(loss, optax.sgd(0.1), axis_name="d", reduce_dtype=rd)
+    return step(p, optax.sgd(0.1).init(p), LS, x, y).params
+  return mpolicy.scaled_value_and_grad(loss, axis_name="d", reduce_dtype=rd)(LS, p, x, y)[3]
+def reduce_dtypes():
   out = {}
-  for rd in ("float32", "bfloat16"):
-    g = mpolicy.scaled_value_and_grad(loss, axis_name="d", reduce_dtype=jnp.dtype(rd))
-    f = jax.pmap(lambda p, x, y: g(LS, p, x, y)[3], axis_name="d", in_axes=(None, 0, 0))
-    out["pmap_" + rd] = collectives(f.lower(params, x.reshape(8, 8, 16), y.reshape(8, 8, 4)).compile().as_text())
-  for name, pp in (("f32", params), ("bf16", jax.tree.map(lambda w: w.astype(jnp.bfloat16), params))):
-    g = mpolicy.scaled_value_and_grad(loss, axis_name="d")
-    f = smap(lambda p, x, y: g(LS, p, x, y)[3], mesh1, (P(), P("d"), P("d")), P())
-    out["shard_map_" + name] = collectives(f.lower(pp, x, y).compile().as_text())
-    g0 = mpolicy.scaled_value_and_grad(loss)
-    f = jax.jit(lambda p, x, y: g0(LS, p, x, y)[3])
-    xs = jax.device_put(x, NamedSharding(mesh1, P("d"))); ys = jax.device_put(y, NamedSharding(mesh1, P("d")))
-    out["jit_" + name] = collectives(f.lower(pp, xs, ys).compile().as_text())
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  for name, pp, rd in (("bf16_default", BF, f32), ("bf16_asked_bf16", BF, bf16),
+                       ("f32_asked_bf16", params, bf16), ("f32_default", params, f32),
+                       ("bf16_none", BF, None)):
+    for cv in (True, False):
+      f = smap(lambda p, x, y: step_grads(p, x, y, rd), mesh1, (P(), P("d"), P("d")), P(), cv)
+      out[f"shard_map_{'vma' if cv else 'novma'}_{name}"] = lowered_collectives(
+          f.trace(pp, x, y).lower().as_text())
+    f = jax.pmap(lambda p, x, y: step_grads(p, x, y, rd), axis_name="d", in_axes=(None, 0, 0))
+    out["pmap_" + name] = lowered_collectives(
+        f.lower(pp, x.reshape(8, 8, 16), y.reshape(8, 8, 4)).as_text())
+  f = smap(lambda p, x, y: step_grads(p, x, y, f32, True), mesh1, (P(), P("d"), P("d")), P())
+  out["make_train_step_bf16"] = lowered_collectives(f.trace(BF, x, y).lower().as_text())
+  fs = mpolicy.scaled_value_and_grad(fsdp_loss, axis_name="d")
+  f = smap(lambda p, x, y: fs(LS, p, x, y)[3], mesh1, (FS, P("d"), P("d")), FS)
+  out["fsdp_bf16"] = lowered_collectives(f.trace(BF, x, y).lower().as_text())
+  # jit + NamedSharding: the partitioner inserts the sum when compiling.
+  g0 = mpolicy.scaled_value_and_grad(loss)
+  f = jax.jit(lambda p, x, y: g0(LS, p, x, y)[3])
+  xs = jax.device_put(x, NamedSharding(mesh1, P("d"))); ys = jax.device_put(y, NamedSharding(mesh1, P("d")))
+  for name, pp in (("f32", params), ("bf16", BF)):
+    out["jit_" + name] = compiled_collectives(f.lower(pp, xs, ys).compile().as_text())
   return out
-guard("hlo", hlo_dtypes)
+guard("reduce", reduce_dtypes)
+
+def bf16_grads(cv):
+  g = mpolicy.scaled_value_and_grad(loss, axis_name="d")
+  l, gr = smap(lambda p, x, y: g(LS, p, x, y)[2:], mesh1, (P(), P("d"), P("d")), P(), cv)(BF, x, y)
+  _, _, _, want = mpolicy.scaled_value_and_grad(loss)(LS, BF, x, y)
+  return {"relerr": relerr(gr, want), "dtypes": sorted({str(v.dtype) for v in jax.tree.leaves(gr)})}
+guard("bf16_vma", lambda: bf16_grads(True))
+guard("bf16_novma", lambda: bf16_grads(False))
 
 print("FACTS=" + json.dumps(facts))
 '''
@@ -241,16 +297,10 @@ def facts(eight_devices):
   return eight_devices
 
 
-def _ok(facts, name):
-  value = facts[name]
-  assert "error" not in value, value
-  return value
-
-
 @pytest.mark.parametrize("mode", ["pmap", "replicated_vma", "replicated_novma",
                                   "fsdp", "tp_data"])
 def test_gradients_are_the_one_device_gradients(facts, mode):
-  got = _ok(facts, mode)
+  got = fact(facts, mode)
   assert got["relerr"] < TOL, got
   assert abs(got["loss"] - facts["one_device_loss"]) < 1e-3, got
 
@@ -268,7 +318,7 @@ def test_check_vma_off_with_a_model_axis_is_refused(facts):
 
 
 def test_nan_on_one_device_skips_everywhere_with_sharded_params(facts):
-  got = _ok(facts, "skip_2d")
+  got = fact(facts, "skip_2d")
   assert got["flags"] == [False] * 8, got          # agreed over data & model
   assert got["params_kept"] and got["count"] == 0, got
   assert got["loss_scale"] == 2. ** 14, got
@@ -276,18 +326,25 @@ def test_nan_on_one_device_skips_everywhere_with_sharded_params(facts):
 
 
 def test_make_train_step_fsdp_skips_on_all_devices(facts):
-  got = _ok(facts, "skip_fsdp_make_step")
+  got = fact(facts, "skip_fsdp_make_step")
   assert got == {"finite": False, "params_kept": True,
                  "loss_scale": 2. ** 14}, got
 
 
+def test_multisteps_drops_one_device_s_bad_mini_batch_on_every_device(facts):
+  got = fact(facts, "multisteps_fsdp")
+  assert got["bad_kept_state"] and got["total_notfinite"] == 1, got
+  assert got["loss_scale"] == 2. ** 14 and got["gradient_step"] == 1, got
+  assert got["relerr"] < TOL, got  # sgd on the mean of the two good ones
+
+
 def test_batchnorm_state_is_averaged_over_the_data_axis(facts):
-  got = _ok(facts, "bn_state")
+  got = fact(facts, "bn_state")
   assert got["mean_err"] < 1e-6 and got["count"] == 1, got
 
 
 def test_grad_through_amp_under_explicit_sharding(facts):
-  got = _ok(facts, "explicit")
+  got = fact(facts, "explicit")
   assert got["bf16_relerr"] < TOL, got
   assert got["bf16_replicated"], got  # the parameter's own sharding
   assert got["f8_relerr"] < 0.1, got
@@ -296,15 +353,37 @@ def test_grad_through_amp_under_explicit_sharding(facts):
       in why for ran, why in got["f8_out_sharding_why"]), got
 
 
-def test_reduction_dtype_in_the_compiled_hlo(facts):
-  hlo = _ok(facts, "hlo")
-  # pmap: the helper's pmean, in reduce_dtype.
-  assert hlo["pmap_float32"] == [["all-reduce", "f32"]], hlo
-  assert hlo["pmap_bfloat16"] == [["all-reduce", "bf16"]], hlo
-  # shard_map: JAX's own sum, in the gradient's dtype (the parameter's).
-  assert hlo["shard_map_f32"] == [["all-reduce", "f32"]], hlo
-  assert hlo["shard_map_bf16"] == [["all-reduce", "bf16"]], hlo
-  # jit + NamedSharding: GSPMD sums the weight-gradient dot's output, which
-  # on CPU is the float32 accumulator even for bf16 parameters.
-  assert hlo["jit_f32"] == [["all-reduce", "f32"]], hlo
-  assert hlo["jit_bf16"] == [["all-reduce", "f32"]], hlo
+AR_F32, AR_BF16 = [["all_reduce", "f32"]], [["all_reduce", "bf16"]]
+
+
+@pytest.mark.parametrize("mode", ["shard_map_vma", "shard_map_novma", "pmap"])
+def test_the_gradient_sum_runs_in_reduce_dtype_in_the_lowered_program(
+    facts, mode):
+  got = fact(facts, "reduce")
+  assert got[f"{mode}_bf16_default"] == AR_F32, got   # float32 by default
+  assert got[f"{mode}_f32_default"] == AR_F32, got
+  assert got[f"{mode}_bf16_asked_bf16"] == AR_BF16, got
+  assert got[f"{mode}_f32_asked_bf16"] == AR_BF16, got
+  assert got[f"{mode}_bf16_none"] == AR_BF16, got      # None: the leaf's dtype
+
+
+def test_make_train_step_sums_bf16_gradients_in_float32(facts):
+  assert fact(facts, "reduce")["make_train_step_bf16"] == AR_F32
+
+
+def test_fsdp_reduce_scatter_is_jax_s_in_the_gradient_dtype(facts):
+  # The transpose of the user's all_gather: documented, not mpolicy's.
+  assert fact(facts, "reduce")["fsdp_bf16"] == [["reduce_scatter", "bf16"]]
+
+
+def test_jit_named_sharding_sum_is_the_partitioner_s(facts):
+  got = fact(facts, "reduce")
+  # GSPMD sums the weight-gradient dot's output, which on CPU is the float32
+  # accumulator even for bf16 parameters (compiled HLO: no lowered sum).
+  assert got["jit_f32"] == AR_F32 and got["jit_bf16"] == AR_F32, got
+
+
+@pytest.mark.parametrize("mode", ["bf16_vma", "bf16_novma"])
+def test_bf16_params_get_the_one_device_gradients_in_bf16(facts, mode):
+  got = fact(facts, mode)
+  assert got["relerr"] < 1e-2 and got["dtypes"] == ["bfloat16"], got

@@ -1,11 +1,12 @@
 """The examples run end to end as files, and their flags fail early and clearly.
 
-Fast tests run each example as a user would, `python examples/<name>.py`,
-from another directory, with a few tiny steps. The Flax and Equinox
-examples are skipped where those packages are not installed (the `test`
-extra installs them). Slow tests (`-m slow`) call the training functions in
-process: bfloat16 matches float32 on the digits, and float16 with a dynamic
-loss scale never puts a NaN into the params.
+Fast tests run every example script as a user would, `python
+examples/<name>.py` (the porting recipes too), from another directory, with
+a few tiny steps; a test checks that no script is left out. The Flax and
+Equinox examples are skipped where those packages are not installed (the
+`test` extra installs them). Slow tests (`-m slow`) call the training
+functions in process: bfloat16 matches float32 on the digits, and float16
+with a dynamic loss scale never puts a NaN into the params.
 """
 
 import os
@@ -27,7 +28,10 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def run_example(name, *args, cwd, timeout=300):
-  """Runs examples/<name>.py as a script in `cwd`; (returncode, out, err)."""
+  """Runs examples/<name>.py as a script in `cwd`; (returncode, out, err).
+
+  `name` may name a subfolder's script: "porting/haiku_jmp".
+  """
   # PYTHONPATH only makes sure this checkout's mpolicy is the one imported.
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
              + os.environ.get("PYTHONPATH", ""))
@@ -131,6 +135,60 @@ def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   assert [r.split(" | ")[0] for r in rows] == ["| f16"]
 
 
+def test_optimizer_lesson_runs_as_a_file_and_tabulates_its_mode(tmp_path):
+  rc, out, err = run_example("optimizer_lesson", *LESSON_TINY,
+                             "--modes=stochastic", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert "Optimizer lesson: char transformer d_model=8, 1 layers" in out
+  rows = [l.split(" | ") for l in out.splitlines() if l.startswith("| ")]
+  assert rows[0][:3] == ["| run", "bytes/param", "params never changed"]
+  (row,) = rows[1:]  # One mode, no float32 baseline (no --compare).
+  assert row[:2] == ["| stochastic", "6"]
+  # Some parameters moved in 3 steps, and some did not (bf16 spacing).
+  assert 0 < float(row[2].rstrip("%")) < 100
+  assert 0 <= float(row[3].rstrip("%")) <= 100
+  assert np.isfinite(float(row[4])) and row[5] == "+0.00%"  # vs itself.
+
+
+@pytest.mark.parametrize("recipe, printed", [
+    ("haiku_jmp", r"loss \d\.\d{3}, loss scale 32768\.0"),
+    ("haiku_f32", r"loss \d\.\d{3}"),
+    ("flax_linen", r"loss \d\.\d{3}"),
+    ("equinox_mlp", r"loss \d\.\d{3}"),
+])
+def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
+  pytest.importorskip({"flax_linen": "flax",
+                       "equinox_mlp": "equinox"}.get(recipe, "haiku"))
+  rc, out, err = run_example(f"porting/{recipe}", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert re.fullmatch(printed, out.strip()), out
+
+
+# Imported by the scripts, not run: they define flags, print, load data or
+# define a model, and have no `__main__` block.
+LIBRARIES = {"digits_data", "mp_flags", "mp_report", "transformer_lm"}
+
+
+def test_every_example_script_is_run_as_a_file_by_a_test():
+  found = {os.path.relpath(os.path.join(folder, f), EXAMPLES)[:-3]
+           for folder, _, files in os.walk(EXAMPLES)
+           for f in files if f.endswith(".py")}
+  with open(__file__) as f:
+    source = f.read()
+  tested = set(re.findall(r'run_example\(\s*"(\w+)"', source))
+  tested |= {"porting/" + n for n in re.findall(
+      r'^    \("(\w+)", r"loss', source, flags=re.M)}
+  assert found - LIBRARIES == tested, (
+      "scripts without a test that runs them as a file: "
+      f"{sorted(found - LIBRARIES - tested)}")
+  importers = "".join(open(os.path.join(EXAMPLES, f"{n}.py")).read()
+                      for n in found - LIBRARIES)
+  for name in LIBRARIES:
+    with open(os.path.join(EXAMPLES, f"{name}.py")) as f:
+      assert "__main__" not in f.read(), f"{name}.py is a script: run it"
+    assert re.search(rf"^(import|from) {name}\b", importers, flags=re.M), name
+
+
 def test_lesson_counts_the_logit_gradients_float16_flushes():
   lesson = import_example("loss_scaling_lesson")
   # Two positions with logits (0, -20): the second class's gradient is
@@ -160,6 +218,8 @@ def test_lesson_counts_the_logit_gradients_float16_flushes():
     ("char_transformer", "--attention_policy=c=f17",
      "flag --attention_policy=c=f17:"),
     ("loss_scaling_lesson", "--d_model=10", "--d_model must be a multiple"),
+    ("optimizer_lesson", "--modes=master,sr",
+     "--modes must be a comma-separated, non-empty subset of ('master', "),
     ("digits_cnn", "--plot=/dev/null/plots/x.png", "cannot write into"),
     ("digits_cnn", "--plot=.", "is a folder; give a file name"),
 ])
@@ -221,7 +281,6 @@ def test_explain_column_is_the_library_summary():
 # --- Flax and Equinox ------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_flax_example_runs_as_a_file(tmp_path):
   pytest.importorskip("flax")
   rc, out, err = run_example("flax_mlp", "--steps=3", "--batch_size=16",
@@ -250,7 +309,6 @@ def test_flax_example_step_multiplies_in_bfloat16_and_updates_stats():
   assert mean.dtype == jnp.float32 and float(jnp.abs(mean).max()) > 0
 
 
-@pytest.mark.slow
 def test_equinox_example_runs_as_a_file(tmp_path):
   pytest.importorskip("equinox")
   rc, out, err = run_example("equinox_mlp", "--steps=3", "--batch_size=16",
@@ -327,3 +385,35 @@ def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
   mode = flag.lstrip("-") or "jit"
   assert f"{mode} on 8 devices: final loss" in out, out
   assert "one device:" in out and "max |param difference|" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["", "--fsdp", "--shard_map"])
+def test_data_parallel_runs_in_two_processes(tmp_path, flag):
+  # The script starts itself twice (4 devices each), joined over localhost;
+  # the whole process group is killed if it runs too long.
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(EXAMPLES, "data_parallel.py"),
+       "--steps=3", "--batch_size=16", "--num_processes=2",
+       *([flag] if flag else [])], cwd=tmp_path, env=env, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, 9)
+      proc.wait()
+  assert_ok(proc.returncode, out, err)
+  mode = flag.lstrip("-") or "jit"
+  assert f"{mode} on 8 devices in 2 processes: final loss" in out, out
+  assert out.count("final loss") == 1, out  # Process 0 reports.
+  # The same figures as one process with 8 devices.
+  rc, one_out, one_err = run_example("data_parallel", "--steps=3",
+                                     "--batch_size=16",
+                                     *([flag] if flag else []), cwd=tmp_path)
+  assert_ok(rc, one_out, one_err)
+  figures = lambda text: re.findall(r"\d+\.\d+(?:e[-+]\d+)?", text)
+  assert figures(out) == figures(one_out), (out, one_out)

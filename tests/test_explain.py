@@ -6,8 +6,11 @@ import json
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import mpolicy
+from _helpers import all_eqns
+from mpolicy._src import jax_compat
 from mpolicy._src.explain import explain
 from mpolicy._src.explain import Report
 from mpolicy._src.amp import amp
@@ -136,10 +139,47 @@ def test_rows_inside_higher_order_primitives():
   assert {r.ran_in for r in _rows(report, "dot_general")} == {"bfloat16"}
 
 
-def test_plain_function_is_explained_as_amp():
-  report = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
-  assert "not amp-ed" in report.note
-  assert _rows(report, "exp")[0].ran_in == "float32"
+def _as_it_runs(fn, *args):
+  """(primitive, dtype) of each first-order equation ``fn`` really runs."""
+  return [(e.primitive.name, str(e.outvars[0].aval.dtype))
+          for e in all_eqns(fn, *args)
+          if not jax_compat.jaxprs_in_params(e.params)]
+
+
+def _plain(x, w):
+  return jnp.exp(x.astype(jnp.bfloat16)) @ w.astype(jnp.bfloat16)
+
+
+def test_a_plain_function_is_reported_as_it_runs():
+  report = explain(_plain, X, W)
+  assert report.note == "not amp-ed: runs as written"
+  assert [(r.primitive, r.ran_in) for r in report.rows] == _as_it_runs(
+      _plain, X, W)
+  assert _rows(report, "exp")[0].ran_in == "bfloat16"  # No float32 net.
+  assert _rows(report, "dot_general")[0].decided_by == report.note
+  assert str(report).splitlines()[0].startswith(report.note + ":")
+  assert report.summary().startswith(report.note + "; 4 ops: 4 bfloat16;")
+  # The same code under amp: the op rules act, and there is no note.
+  amped = explain(amp(_plain, HALF), X, W)
+  assert _rows(amped, "exp")[0].ran_in == "float32" and amped.note == ""
+  assert not str(amped).startswith("not amp-ed")
+
+
+def test_a_linen_apply_that_is_not_amped_reports_float32():
+  nn = pytest.importorskip("flax.linen")
+  mpolicy.set_policy(nn.Module, HALF)  # Honoured under amp only.
+
+  model, x = nn.Dense(4), jnp.ones((2, 8))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  report = explain(model.apply, variables, x)
+  assert report.note == "not amp-ed: runs as written"
+  assert report.ops_per_dtype == {"float32": 3}  # dot, reshape, add.
+  assert report.casts_by_policies == 0
+  assert [(r.primitive, r.ran_in) for r in report.rows] == _as_it_runs(
+      model.apply, variables, x)
+  assert model.apply(variables, x).dtype == jnp.float32
+  amped = explain(amp(model.apply), variables, x)
+  assert [r.ran_in for r in _rows(amped, "dot_general")] == ["bfloat16"]
 
 
 def test_haiku_model_with_full_batchnorm_inside_bf16_model():
@@ -198,11 +238,24 @@ def test_transform_amp_policy_casts_are_labelled_apart_from_code_casts():
   assert ", 4 by module policies," in report.summary()
 
 
-def test_summary_keeps_the_note_of_a_function_not_run_under_amp():
+def test_summary_leads_with_the_note_of_a_function_not_run_under_amp():
   plain = explain(lambda x: jnp.exp(x.astype(jnp.bfloat16)), X)
-  assert "not amp-ed" in plain.note
-  assert plain.summary().endswith(f"in the code ({plain.note})")
-  assert "(" not in explain(amp(_fn, HALF), X, W).summary()
+  assert plain.summary() == (
+      "not amp-ed: runs as written; 2 ops: 2 bfloat16; casts: 0 by op "
+      "rules, 0 by module policies, 1 in the code")
+  assert "not amp-ed" not in explain(amp(_fn, HALF), X, W).summary()
+
+
+def test_a_plain_haiku_apply_that_is_not_amped_reports_float32():
+  import haiku as hk
+  mpolicy.set_policy(hk.Module, HALF)
+  plain = hk.transform(lambda x: hk.Linear(4)(x))
+  params = plain.init(jax.random.PRNGKey(0), X)
+  report = explain(plain.apply, params, None, X)
+  assert report.note == "not amp-ed: runs as written"
+  assert set(report.ops_per_dtype) == {"float32"}
+  assert explain(amp(plain.apply), params, None, X).ops_per_dtype[
+      "bfloat16"] > 0
 
 
 def _transformer_block(x, wq, wk, wv, wo, w1, w2, scale, n_pos):

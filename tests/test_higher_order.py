@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _helpers import all_eqns, multiplies_in
+from _helpers import all_eqns, checkpoints, jax_error, loop_carry_dtypes
+from _helpers import multiplies_in
 from jax.sharding import PartitionSpec as P
 
 from mpolicy._src import jax_compat
@@ -33,15 +34,24 @@ def exp_dtypes(fn, *args):
 
 
 def check(fn, *, exp=False):
-  """Matmuls in half, exp in f32, forward and under grad; values close."""
+  """Matmuls in half, exp in f32, forward and under grad; values close.
+
+  Where JAX cannot differentiate ``fn`` (a scan under ``jax_scan3`` in JAX
+  0.12), the amp-ed function's gradient fails as JAX's does."""
   f = amp(fn, HALF)
   grad = jax.grad(f, argnums=(0, 1))
-  for g in (f, grad):
+  refused = jax_error(jax.grad(fn, argnums=(0, 1)), X, W)
+  if refused is not None:
+    with pytest.raises(refused):
+      grad(X, W)
+  for g in (f,) if refused else (f, grad):
     dots = dot_dtypes(g, X, W)
     assert dots and all(d == (BF16, BF16) for d in dots), dots
     if exp:
       assert exp_dtypes(g, X, W) and set(exp_dtypes(g, X, W)) == {F32}
   np.testing.assert_allclose(f(X, W), fn(X, W), rtol=3e-2, atol=3e-2)
+  if refused:
+    return
   for a, b in zip(grad(X, W), jax.grad(fn, argnums=(0, 1))(X, W)):
     assert a.dtype == F32
     np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
@@ -63,9 +73,7 @@ def test_scan_carry_keeps_dtype():
     c, ys = jax.lax.scan(body, x, jnp.ones((2, 3, 4)))
     return c.sum() + ys.sum()
   check(fn, exp=True)
-  (scan,) = [e for e in all_eqns(amp(fn, HALF), X, W) if e.primitive.name == "scan"]
-  body = scan.params["jaxpr"]
-  assert body.in_avals[0].dtype == body.out_avals[0].dtype == F32
+  assert loop_carry_dtypes(amp(fn, HALF), X, W) == [F32]
 
 
 def test_fori_loop():
@@ -100,8 +108,9 @@ def test_remat_keeps_its_policy():
   pol = jax.checkpoint_policies.nothing_saveable
   fn = lambda x, w: jax.checkpoint(lambda a: jnp.exp(a @ w), policy=pol)(x).sum()
   check(fn, exp=True)
-  (remat,) = [e for e in all_eqns(amp(fn, HALF), X, W) if e.primitive.name == "remat2"]
-  assert remat.params["policy"] is pol
+  ((policy, _),) = checkpoints(amp(fn, HALF), X, W)
+  ((plain_policy, _),) = checkpoints(fn, X, W)  # remat3 takes this as None.
+  assert policy is plain_policy and plain_policy in (pol, None)
 
 
 @jax.custom_jvp

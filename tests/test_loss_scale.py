@@ -90,6 +90,73 @@ def test_scale_overflow_in_f16_gives_inf():
   assert out.dtype == jnp.float16 and bool(jnp.isinf(out).all())
 
 
+F8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+SCALES = [NoOpLossScale, lambda: StaticLossScale(16.),
+          lambda: DynamicLossScale(jnp.float32(16.))]
+
+
+@pytest.mark.parametrize("make", SCALES)
+@pytest.mark.parametrize("dtype", F8)
+def test_float8_leaves_scale_and_unscale_in_their_dtype_under_jit(make, dtype):
+  ls = make()
+  # 0.375 is not a power of two: the float32 product is rounded back.
+  grads = {"w": jnp.array([0.375, -2., 0.], dtype), "i": jnp.arange(2)}
+  scaled = jax.jit(lambda ls, g: ls.scale(g))(ls, grads)
+  out = jax.jit(lambda ls, g: ls.unscale(g))(ls, scaled)
+  assert scaled["w"].dtype == out["w"].dtype == dtype
+  factor = float(ls.loss_scale)
+  np.testing.assert_array_equal(np.asarray(scaled["w"], np.float32),
+                                np.array([0.375, -2., 0.]) * factor)
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32),
+                                [0.375, -2., 0.])
+  assert out["i"].dtype == jnp.int32
+
+
+@pytest.mark.parametrize("dtype, fits, overflows", [
+    (jnp.float8_e4m3fn, 224., 240.),  # Largest finite: 448.
+    (jnp.float8_e5m2, 24576., 32768.),  # Largest finite: 57344.
+])
+def test_float8_overflow_is_not_finite_never_saturated(dtype, fits,
+                                                       overflows):
+  ls = StaticLossScale(2.)
+  out = jax.jit(ls.scale)(jnp.array([fits, overflows, -overflows], dtype))
+  assert out.dtype == dtype
+  out = np.asarray(out, np.float32)
+  assert out[0] == 2 * fits
+  assert not np.isfinite(out[1:]).any()  # Not 448 / 57344: a wrong value.
+  if dtype == jnp.float8_e5m2:  # It has inf, and keeps the sign.
+    np.testing.assert_array_equal(out[1:], [np.inf, -np.inf])
+  assert not bool(ls_lib.all_finite(out))
+
+
+@pytest.mark.parametrize("dtype, rounds_down, rounds_up", [
+    # Halfway past the largest finite value rounds to even: down to 448 in
+    # e4m3fn (its mantissa ends in 0), up to inf in e5m2.
+    (jnp.float8_e4m3fn, [448., 463.9, 464.], [464.1, 1e6, np.inf]),
+    (jnp.float8_e5m2, [57344., 61439.], [61440., 1e6, np.inf]),
+])
+def test_float8_cast_rounds_to_nearest_up_to_the_overflow(dtype, rounds_down,
+                                                          rounds_up):
+  y = jnp.array(rounds_down + rounds_up, jnp.float32)
+  out = jax.jit(lambda y: ls_lib._cast_narrow(y, dtype))(y)
+  assert out.dtype == dtype
+  out = np.asarray(out, np.float32)
+  np.testing.assert_array_equal(out[:len(rounds_down)],
+                                float(jnp.finfo(dtype).max))
+  assert not np.isfinite(out[len(rounds_down):]).any()
+
+
+@pytest.mark.parametrize("dtype, start, grown", [
+    (jnp.float8_e5m2, 16384., 32768.), (jnp.float8_e4m3fn, 128., 256.)])
+def test_float8_scale_adjusts_in_its_dtype_and_never_overflows(dtype, start,
+                                                               grown):
+  ls = DynamicLossScale(jnp.asarray(start, dtype), period=1)
+  up = jax.jit(lambda ls: _run(ls, [True, True, True]))(ls)
+  assert up.loss_scale.dtype == dtype and float(up.loss_scale) == grown
+  down = jax.jit(lambda ls: ls.adjust(NON_FINITE))(ls)
+  assert float(down.loss_scale) == start / 2
+
+
 def test_scale_and_unscale_leave_non_float_leaves_unchanged():
   tree = {"i": jnp.arange(3), "n": 7, "b": True, "none": None, "s": "x",
           "f": jnp.ones(2)}

@@ -1,4 +1,8 @@
-"""The optimizer's lesson: a fast smoke run by default, the full lesson slow."""
+"""The optimizer's lesson: its helpers by default, the runs slow.
+
+The default run also runs the lesson as a file, one mode with tiny
+settings (tests/test_examples.py).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ def corpus(lesson):
   return lesson.char_transformer.load_corpus()
 
 
+@pytest.mark.slow
 def test_tiny_stochastic_run_keeps_bfloat16_and_counts_unchanged_params(
     lesson, corpus):
   config = lesson.char_transformer.ModelConfig(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import mpolicy
-from mpolicy._src import haiku_registry
+from mpolicy._src import class_lookup
 from mpolicy._src import registry
 from mpolicy._src import regions
 
@@ -26,8 +26,12 @@ class MyDeepLinear(MyLinear):
   pass
 
 
+def region_for_module(name, cls, enclosing):
+  return class_lookup.region_for_call(name, cls, enclosing, hk.Module)
+
+
 def _policy(name, cls, enclosing=None):
-  region = haiku_registry.region_for_module(name, cls, enclosing)
+  region = region_for_module(name, cls, enclosing)
   return None if region is None else region.policy
 
 
@@ -61,7 +65,7 @@ def test_hk_module_is_only_the_default():
   mpolicy.set_policy(hk.Module, HALF)
   mpolicy.set_policy(hk.BatchNorm, FULL)
   assert _policy("bn", hk.BatchNorm) == FULL
-  region = haiku_registry.region_for_module("lin", hk.Linear, None)
+  region = region_for_module("lin", hk.Linear, None)
   assert region.policy == HALF
   assert region.decided_by == "default hk.Module"
 
@@ -76,15 +80,14 @@ def test_pattern_on_own_name_beats_class():
 def test_class_beats_enclosing_pattern():
   mpolicy.set_policy("encoder", HALF)
   mpolicy.set_policy(hk.BatchNorm, FULL)
-  outer = haiku_registry.region_for_module("encoder", hk.Module, None)
+  outer = region_for_module("encoder", hk.Module, None)
   assert outer.policy == HALF
-  bn = haiku_registry.region_for_module("encoder/~/batch_norm", hk.BatchNorm,
-                                        outer)
+  bn = region_for_module("encoder/~/batch_norm", hk.BatchNorm, outer)
   assert bn.policy == FULL
   assert not bn.inherited
   # The moving averages inside BatchNorm inherit full from it.
-  ema = haiku_registry.region_for_module("encoder/~/batch_norm/~/mean_ema",
-                                         hk.ExponentialMovingAverage, bn)
+  ema = region_for_module("encoder/~/batch_norm/~/mean_ema",
+                          hk.ExponentialMovingAverage, bn)
   assert ema.policy == FULL
   assert ema.inherited
 
@@ -93,13 +96,13 @@ def test_enclosing_beats_default():
   mpolicy.set_policy(hk.Module, FULL)
   outer = regions.Region(policy=HALF, decided_by="pattern 'enc'",
                          module_name="enc")
-  inner = haiku_registry.region_for_module("enc/~/linear", hk.Linear, outer)
+  inner = region_for_module("enc/~/linear", hk.Linear, outer)
   assert inner.policy == HALF
   assert inner.decided_by == "inherited from enc"
 
 
 def test_nothing_governs_without_entries():
-  assert haiku_registry.region_for_module("lin", hk.Linear, None) is None
+  assert region_for_module("lin", hk.Linear, None) is None
 
 
 def test_longest_match_most_components_wins():

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import frameworks
 from mpolicy._src import interpreter
@@ -119,39 +120,20 @@ def _check_outputs(fn, out) -> None:
           "values from outside it.")
 
 
-_NNX_SPLIT_MERGE = """\
-  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-
-  def forward(params, stats, x):
-    model = nnx.merge(graphdef, params, stats)
-    return model(x), nnx.state(model, nnx.BatchStat)
-
-  y, stats = mpolicy.amp(forward, policy)(params, stats, x)
-  nnx.update(model, stats)"""
-
-
 def _trace_user_fn(flat_fn, in_avals):
   """Traces the user's function; explains what amp cannot trace.
 
-  A Flax NNX module closed over by the function cannot update its own
-  variables (BatchNorm statistics) inside amp's trace, which is a new trace
-  level: Flax raises `TraceContextError`. That becomes a `TypeError` showing
-  the split/merge form, which passes the state in and out explicitly.
+  An error a framework raises there (a Flax NNX module closed over by the
+  function updating its variables) becomes the framework bridge's clearer
+  one (see `frameworks.explained`).
   """
   try:
     return jax_compat.trace_to_closed_jaxpr(flat_fn, in_avals)
   except Exception as e:  # pylint: disable=broad-except
-    if (type(e).__name__ != "TraceContextError"
-        or not type(e).__module__.startswith("flax")):
+    better = frameworks.explained(e)
+    if better is None:
       raise
-    raise TypeError(
-        "amp: the function updates a Flax NNX variable that was created "
-        f"outside the amp call ({e}). amp traces the function on its own, so "
-        "a module it closes over cannot update its state (e.g. BatchNorm "
-        "statistics) in place. Pass the state in and out explicitly with "
-        "nnx.split / nnx.merge (split off every variable type it updates, "
-        "e.g. also nnx.RngState for dropout):\n\n"
-        + _NNX_SPLIT_MERGE) from e
+    raise better from e
 
 
 def interpret(fn: Callable[..., Any], *, policy=None,
@@ -178,6 +160,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   Returns:
     The interpreted function, marked so that `explain` recognises it.
   """
+  arguments.require_callable(fn, "amp", "fn", "the function to run under "
+                             "the op rules: a JAX function, a Flax apply, an "
+                             "Equinox module")
   rules = op_rules_lib.default_rules() if rules is None else rules
   if not isinstance(rules, op_rules_lib.OpRules):
     raise TypeError(f"rules must be an OpRules table, got {rules!r}")
@@ -186,8 +171,11 @@ def interpret(fn: Callable[..., Any], *, policy=None,
            regions.Region(policy=pol, decided_by=f"amp(policy={pol})"))
   config = interpreter.Config(rules=rules, outer=outer)
 
+  # Framework objects updated in place (Flax NNX) go in and out as state.
+  objects = frameworks.ObjectArguments()
+
   def run(static: _Static, arrays: list):
-    return _run_call(fn, config, pol, cast_outputs, static, arrays)
+    return _run_call(fn, config, pol, cast_outputs, static, arrays, objects)
 
   # The eager cache. Called outside any transformation, the interpreted
   # program is compiled once per signature by this `jax.jit` rather than
@@ -197,64 +185,43 @@ def interpret(fn: Callable[..., Any], *, policy=None,
 
   @functools.wraps(fn)
   def interpreted(*args, **kwargs):
-    static, arrays = split_arguments(args, kwargs)
-    eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
-    if eager and static.hashable():
-      out, states = compiled(static, arrays)
-    else:
-      out, states = run(static, arrays)  # Under a transformation.
-    for (bridge, node), state in zip(_stateful_arguments(args, kwargs),
-                                     states):
-      bridge.update(node, state)
-    return out
+    with objects.outside((args, kwargs)) as (pure, finish):
+      static, arrays = split_arguments((pure,), {})
+      eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
+      if eager and static.hashable():
+        return finish(compiled(static, arrays))
+      return finish(run(static, arrays))  # Under a transformation.
 
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
   return interpreted
 
 
-def _stateful_arguments(args, kwargs) -> list:
-  """``(bridge, node)`` for each object in the arguments updated in place.
-
-  Found at any depth of the argument pytrees (a module in a tuple or a
-  dict too), outermost first: a node's own parts are not visited again.
-  """
-  found = []
-  bridges = frameworks.stateful_bridges()
-  if not bridges:  # No framework that updates in place is imported.
-    return found
-
-  def is_stateful(x) -> bool:
-    for bridge in bridges:
-      if bridge.is_stateful(x):
-        found.append((bridge, x))
-        return True
-    return False
-
-  jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_stateful)
-  return found
-
-
 def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
-              static: _Static, arrays: list):
+              static: _Static, arrays: list,
+              objects: frameworks.ObjectArguments):
   """One call of an interpreted ``fn``: trace, interpret, cast outputs.
 
-  Returns ``(output, states)``: ``states`` holds, for each argument a
-  framework updates in place (a Flax NNX module), its state after the call,
-  in the dtypes it was traced in, for the caller to write back.
+  Returns ``(states, output)`` as `ObjectArguments.inside_done` makes
+  them: the state of the framework objects among the arguments (Flax NNX)
+  after the call, and the output. Object state (there and in the output)
+  keeps the dtypes it was traced in, for the caller to write back.
   """
-  out_trees, n_outs = [], []
+  if pol is not None:
+    policy_lib.require_x64(pol, f"amp(policy={pol})")
+  out_trees, castable = [], []
 
   def flat_fn(*arrs):
-    a, k = join_arguments(static, arrs)
+    a, k = objects.inside(join_arguments(static, arrs)[0][0])
     with frameworks.module_policies():  # Flax linen class policies.
       out = fn(*a, **k)
     _check_outputs(fn, out)
-    states = [bridge.state_of(node)
-              for bridge, node in _stateful_arguments(a, k)]
-    outs, out_tree = jax.tree_util.tree_flatten(out)
-    n_outs.append(len(outs))
-    out_trees.append(jax.tree_util.tree_structure((out, states)))
-    return outs + jax.tree_util.tree_leaves(states)
+    states, out = objects.inside_done((a, k), out)
+    parts = jax.tree_util.tree_leaves(out, is_leaf=objects.is_state)
+    castable.append([False] * len(jax.tree_util.tree_leaves(states)) +
+                    [not objects.is_state(part) for part in parts
+                     for _ in jax.tree_util.tree_leaves(part)])
+    out_trees.append(jax.tree_util.tree_structure((states, out)))
+    return jax.tree_util.tree_leaves((states, out))
 
   # Traced at the arguments' own avals, so that what `make_jaxpr` would
   # drop is kept: inside `shard_map`, which mesh axes a value varies over
@@ -272,7 +239,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
     target = aval.dtype
     # float64 outputs are never narrowed to the policy's output dtype, nor
     # is module state (it keeps the dtypes it had).
-    if (cast_outputs and pol is not None and i < n_outs[-1]
+    if (cast_outputs and pol is not None and castable[-1][i]
         and not (dtypes.is_double(dtypes.dtype_of(out))
                  and not dtypes.is_double(pol.output_dtype))):
       target = pol.output_dtype
@@ -295,7 +262,11 @@ def amp(fn: Callable[..., Any], policy=None, *,
   computes exactly what ``f`` does. Works
   under `jit`, `grad`, `vmap`, `pmap` and inside `shard_map`; the rules
   reach into nested `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
-  `custom_jvp` and `custom_vjp`.
+  `custom_jvp` and `custom_vjp`. The registry's class and name-pattern
+  entries govern the Haiku and Flax linen module calls traced inside (so
+  ``amp(hk.transform(f).apply)`` runs as ``transform_amp(f).apply``), and
+  Flax NNX arguments are passed as `nnx.jit` passes them (all split in one
+  graph, every write visible afterwards).
 
   >>> import jax, jax.numpy as jnp
   >>> f = amp(lambda x, w: jax.nn.relu(x @ w), "p=f32,c=bf16,o=f32")
@@ -317,6 +288,13 @@ def amp(fn: Callable[..., Any], policy=None, *,
     different types (``2`` and ``2.0``, ``1`` and ``True``) are never
     mistaken for each other. An output that is not an array, a Python
     number or a bool raises a `TypeError` naming its place in the output.
+
+  Raises:
+    TypeError: at once, if ``fn`` is not callable or ``rules`` is not an
+      `OpRules`; ``ValueError`` for a malformed ``policy``.
+    ValueError: when traced, if a policy that governs it (``policy`` or a
+      registry entry) names float64 while ``jax_enable_x64`` is off: JAX
+      would compute float32; the message says how to turn x64 on.
 
   See also: `full_precision`, `OpRules`, `explain`, `transform_amp`.
   """

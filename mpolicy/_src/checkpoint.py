@@ -4,30 +4,42 @@ A checkpoint is an orbax directory with two items: `state`, the leaves of
 the pytree in a flat dict keyed by each leaf's `jax.tree_util.keystr` path
 (`"[0]['linear']['w']"`), written by orbax's standard pytree handler
 (tensorstore: bfloat16, float8, typed PRNG keys and sharded arrays as they
-are); and `meta`, JSON naming the format, every leaf's dtype and shape, and
-the settings of every loss scale in the tree (a `DynamicLossScale`'s
-`period`, `factor` and `min_loss_scale`, a `StaticLossScale`'s scale), which
-pytree flattening would otherwise drop.
+are); and `meta`, JSON naming the format, every leaf's dtype and shape,
+which leaves were numpy values or Python numbers, and the settings of
+every loss scale in the tree (a `DynamicLossScale`'s `period`, `factor`
+and `min_loss_scale`, a `StaticLossScale`'s scale), which pytree
+flattening would otherwise drop.
 
-`save_checkpoint` writes into a fresh temporary directory beside `path` and
-renames it into place, so concurrent saves to one path never mix and a
-failed save leaves nothing behind. `restore_checkpoint` checks the template
+`save_checkpoint` writes into a fresh temporary directory and renames it
+into place (`checkpoint_files`). `restore_checkpoint` checks the template
 against `meta` first and lists every mismatch in one `ValueError`.
+
+In a run of several processes, every process calls both, and each step
+goes through `processes.Processes.step`, so an error on one process is
+raised on all of them rather than leaving the others waiting. Saving:
+process 0 checks the path and makes the temporary directory; every
+process checks that it sees that directory, that all passed the same path
+and tree, and that the leaves each holds whole agree; orbax writes each
+process's shards, and the metadata once; process 0 renames the directory
+into place, and every process returns once it is there. Restoring: each
+process reads what its devices hold.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import tempfile
-import threading
 from typing import Any
+import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import checkpoint_files as files
+from mpolicy._src import checkpoint_leaves as leaves_lib
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src import processes as processes_lib
 
 PyTree = Any
 
@@ -37,36 +49,6 @@ _SETTINGS = {
     loss_scale_lib.DynamicLossScale: ("period", "factor", "min_loss_scale"),
     loss_scale_lib.StaticLossScale: ("loss_scale",),
 }
-
-# orbax's synchronous save shares state between threads of one process (a
-# second save started while one runs can fail or damage both); saves and
-# restores from threads therefore take turns. Processes need no lock: each
-# writes to its own temporary directory.
-_ORBAX_LOCK = threading.Lock()
-
-
-def _orbax():
-  # Imported on first use: orbax takes about a second to import.
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  return ocp
-
-
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _describe_leaf(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
-  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
-                       bool, int, float)):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:  # A Python number: the dtype JAX gives it.
-      dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
-    return str(dtype), [int(d) for d in np.shape(leaf)]
-  raise TypeError(
-      f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
-      "holds arrays (jax or numpy, any dtype, typed PRNG keys included), "
-      "jax.ShapeDtypeStruct (in a template) and Python numbers.")
 
 
 def _number(value: Any) -> Any:
@@ -87,17 +69,43 @@ def _settings(tree: PyTree) -> dict[str, dict[str, Any]]:
   return out
 
 
-def _flatten(tree: PyTree, what: str):
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  flat, described = {}, {}
-  for path, leaf in leaves:
-    key = jax.tree_util.keystr(path)
-    if key in flat:
-      raise ValueError(f"{what}: two leaves share the path {key!r}; give "
-                       "them distinct keys.")
-    described[key] = _describe_leaf(key, leaf, what)
-    flat[key] = leaf
-  return flat, described, treedef
+def _path_arg(path: Any, what: str) -> str:
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"{what}: path must be a directory path (a str or an "
+                    f"os.PathLike), got {type(path).__name__} {path!r:.80}.")
+  return os.path.abspath(os.fspath(path))
+
+
+def _agree(shared: list[dict], keys: list[str], what: str) -> None:
+  """Every process passed process 0's path and tree, and holds the same
+  value of each leaf it holds whole."""
+  first = shared[0]
+  for i, other in enumerate(shared[1:], 1):
+    if other["path"] != first["path"]:
+      raise ValueError(f"{what}: process {i} saves to {other['path']}, "
+                       f"process 0 to {first['path']}; every process must "
+                       "pass the same path.")
+    if other["leaves"] != first["leaves"]:
+      pairs = zip(other["leaves"], first["leaves"])
+      n = next((j for j, (a, b) in enumerate(pairs) if a != b),
+               min(len(other["leaves"]), len(first["leaves"])))
+      where = (f"from leaf number {n} on (here {keys[n]})" if n < len(keys)
+               else f"in its number of leaves ({len(other['leaves'])} "
+               f"against {len(first['leaves'])})")
+      raise ValueError(
+          f"{what}: process {i}'s tree differs from process 0's {where} "
+          "(structure, dtype or shape); every process must pass the same "
+          "tree, whose global arrays hold each process's part.")
+    differ = sorted(k for k in first["whole"]
+                    if other["whole"].get(k) != first["whole"][k])
+    if differ:
+      raise ValueError(
+          f"{what}: {', '.join(differ[:5])} differ between process 0 and "
+          f"process {i}. Each process holds these leaves whole (numpy "
+          "values, Python numbers, arrays on its own devices), and a "
+          "checkpoint holds one value per leaf: make them equal on every "
+          "process, or, where each process holds a part of one array, make "
+          "it a global array (jax.make_array_from_process_local_data).")
 
 
 def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
@@ -112,6 +120,15 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
   when complete: two saves racing for one path leave one whole checkpoint
   (the other raises), and a failed save leaves nothing.
 
+  With `jax.distributed` (several processes), every process calls it with
+  the same `path` and a tree of the same structure, as with orbax: each
+  process writes the shards its devices hold, process 0 the metadata, and
+  every process returns once the checkpoint is in place. A leaf that each
+  process holds whole (a numpy value, a Python number, or a `jnp` array
+  made outside `jit`, such as a fresh loss scale) must be equal on every
+  process, and is written once. An error on any process is raised on
+  every process.
+
   Args:
     path: the checkpoint directory to create.
     tree: a pytree of arrays and numbers.
@@ -120,11 +137,15 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
 
   Raises:
     FileExistsError: `path` exists and `overwrite` is False.
-    TypeError: a leaf is neither an array nor a number (the message names
-      it).
-    ValueError: two leaves share a path.
-    NotImplementedError: JAX runs in several processes; use orbax's
-      `CheckpointManager` there, which coordinates the hosts.
+    TypeError: `path` is not a path, or a leaf is neither an array nor a
+      number (the message names it).
+    ValueError: two leaves share a path; with several processes, the
+      processes passed different paths or trees, or hold different values
+      of a leaf each holds whole (the message names it).
+    OSError: with several processes, they do not share the file system
+      that `path` is on.
+    TimeoutError: another process did not call `save_checkpoint` (within
+      five minutes of this one).
 
   >>> import os, tempfile, jax.numpy as jnp, mpolicy
   >>> state = {"loss_scale": mpolicy.DynamicLossScale(2. ** 15, period=10),
@@ -135,74 +156,60 @@ def save_checkpoint(path: str | os.PathLike[str], tree: PyTree, *,
   >>> float(restored["loss_scale"].loss_scale), restored["params"]["w"].dtype
   (32768.0, dtype(bfloat16))
 
-  See also: `restore_checkpoint`.
+  See also: `restore_checkpoint`, `CheckpointManager`.
   """
   what = "save_checkpoint"
-  if jax.process_count() > 1:
-    raise NotImplementedError(
-        f"{what}: JAX runs in {jax.process_count()} processes; save with "
-        "orbax.checkpoint.CheckpointManager, which coordinates them.")
-  flat, described, _ = _flatten(tree, what)
-  meta = {"format": _FORMAT, "version": _VERSION, "leaves": described,
-          "loss_scales": _settings(tree)}
-  path = os.path.abspath(os.fspath(path))
-  if os.path.lexists(path) and not overwrite:
-    raise FileExistsError(f"{what}: {path} already exists; pass "
-                          "overwrite=True to replace it, or choose a new path.")
-  parent, name = os.path.split(path)
-  os.makedirs(parent, exist_ok=True)
-  ocp = _orbax()
-  scratch = tempfile.mkdtemp(prefix=f".{name}.", suffix=".mpolicy-tmp",
-                             dir=parent)
+  group = processes_lib.Processes(what)
+  made = []  # The temporary directory, on process 0.
+
+  def prepare():
+    dest = _path_arg(path, what)
+    flat, described, _ = leaves_lib.flatten(tree, what)
+    kinds = {k: leaves_lib.host_kind(v) for k, v in flat.items()}
+    meta = {"format": _FORMAT, "version": _VERSION, "leaves": described,
+            "host_values": {k: v for k, v in kinds.items() if v},
+            "loss_scales": _settings(tree)}
+    shared = {"path": dest, "whole": {}, "leaves": []}
+    if group.count > 1:  # What the processes compare.
+      shared["whole"] = {k: leaves_lib.digest(v) for k, v in flat.items()
+                         if leaves_lib.held_whole(v)}
+      shared["leaves"] = [zlib.crc32(json.dumps([k, d]).encode())
+                          for k, d in described.items()]
+    if group.primary:
+      made.append(files.make_scratch(dest, overwrite, what))
+      shared["scratch"] = made[0]
+    return (dest, flat, meta), shared
+
+  def check(flat, shared):
+    scratch = shared[0]["scratch"]
+    _agree(shared, list(flat), what)
+    if not os.path.isdir(scratch):
+      raise OSError(f"{what}: process {group.index} does not see {scratch}, "
+                    "which process 0 made beside the checkpoint's path: "
+                    "every process must save to one directory on a file "
+                    "system they all share.")
+    if group.count > 1:  # One array on every device, written once.
+      flat = {k: leaves_lib.to_global(v) if isinstance(v, jax.Array)
+                 and v.is_fully_addressable else v for k, v in flat.items()}
+    return flat, None
+
   try:
+    (dest, flat, meta), shared = group.step(prepare)
+    scratch = shared[0]["scratch"]
+    flat, _ = group.step(lambda: check(flat, shared))
     staged = os.path.join(scratch, "checkpoint")
-    with _ORBAX_LOCK, ocp.Checkpointer(
-        ocp.CompositeCheckpointHandler()) as checkpointer:
-      checkpointer.save(staged, ocp.args.Composite(
-          state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
-    if overwrite and os.path.lexists(path):
-      os.rename(path, os.path.join(scratch, "replaced"))
-    try:
-      os.rename(staged, path)  # Atomic; refuses a non-empty directory.
-    except OSError as e:
-      if not os.path.lexists(path):
-        raise
-      raise FileExistsError(
-          f"{what}: {path} was created by another save while this one ran; "
-          "it is left as that save wrote it.") from e
+    files.write(staged, flat, meta, group)
+    group.step(lambda: (files.move_into_place(
+        staged, dest, scratch, overwrite, what) if group.primary else None,
+                        None))
   finally:
-    shutil.rmtree(scratch, ignore_errors=True)
+    for made_here in made:
+      shutil.rmtree(made_here, ignore_errors=True)
 
 
-def _abstract(leaf: Any) -> Any:
-  """What orbax restores `leaf` from: its shape, dtype and sharding."""
-  if isinstance(leaf, jax.Array):
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-  return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
-
-
-def _like(template: Any, restored: Any) -> Any:
-  if isinstance(template, (bool, int, float)):
-    return type(template)(np.asarray(restored).item())
-  if isinstance(template, np.generic):
-    return np.asarray(restored)[()]
-  if isinstance(template, np.ndarray):
-    return np.asarray(restored)
-  sharding = getattr(template, "sharding", None)
-  if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
-    restored = jax.device_put(jnp.asarray(restored, template.dtype), sharding)
-  if (getattr(template, "weak_type", False) and restored.ndim == 0
-      and not _is_key(restored)):
-    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed,
-    # so it promotes as the saved one did.
-    weak = jnp.asarray(np.asarray(restored).item())
-    if weak.dtype == restored.dtype:
-      return jax.device_put(weak, restored.sharding)
-  return restored
-
-
-def _problems(meta: dict, described: dict, settings: dict) -> list[str]:
-  saved = meta["leaves"]
+def _problems(meta: dict, flat: dict, described: dict,
+              settings: dict) -> list[str]:
+  saved, kinds = meta["leaves"], meta.get("host_values", {})
   problems = []
   missing = [k for k in described if k not in saved]
   extra = [k for k in saved if k not in described]
@@ -212,10 +219,15 @@ def _problems(meta: dict, described: dict, settings: dict) -> list[str]:
     problems.append("in the checkpoint but not in the template: "
                     + ", ".join(extra))
   for key, (dtype, shape) in described.items():
-    if key in saved and tuple(saved[key]) != (dtype, shape):
-      s_dtype, s_shape = saved[key]
-      problems.append(f"{key}: checkpoint has {s_dtype}{s_shape}, template "
-                      f"wants {dtype}{shape}")
+    if key not in saved or tuple(saved[key]) == (dtype, shape):
+      continue
+    s_dtype, s_shape = saved[key]
+    if (key in kinds and s_shape == shape
+        and isinstance(flat[key], jax.ShapeDtypeStruct)
+        and not leaves_lib.abstract_mismatch(s_dtype, flat[key])):
+      continue  # jax.eval_shape gave a 64-bit host value JAX's own dtype.
+    problems.append(f"{key}: checkpoint has {s_dtype}{s_shape}, template "
+                    f"wants {dtype}{shape}")
   for key, want in settings.items():
     have = meta["loss_scales"].get(key)
     if have is None:
@@ -230,6 +242,37 @@ def _problems(meta: dict, described: dict, settings: dict) -> list[str]:
   return problems
 
 
+def _read_meta(path_arg: Any, template: PyTree, group, what: str):
+  """Checks `path` and `template`; the template's leaves and the meta."""
+  path = _path_arg(path_arg, what)
+  if template is None:
+    raise TypeError(
+        f"{what}: template is None; pass a pytree like the one saved: the "
+        "state itself (freshly initialized), or jax.eval_shape of its "
+        "initializer (with shardings on its ShapeDtypeStructs to place the "
+        "leaves). The restored state takes its structure, dtypes and "
+        "shardings from it.")
+  if not os.path.lexists(path):
+    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
+  if not os.path.isdir(path):
+    hint = (" It looks like an .npz file, which numpy.load reads."
+            if path.endswith(".npz") else "")
+    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
+                     f"(a directory written by save_checkpoint).{hint}")
+  flat, described, treedef = leaves_lib.flatten(template, what)
+  meta = files.read_meta(path, group, what)
+  if (not isinstance(meta, dict) or meta.get("format") != _FORMAT
+      or meta.get("version") != _VERSION):
+    raise ValueError(
+        f"{what}: {path} is not an mpolicy checkpoint of format "
+        f"{_FORMAT!r} version {_VERSION} (its metadata is {meta!r:.300}).")
+  problems = _problems(meta, flat, described, _settings(template))
+  if problems:
+    raise ValueError("The checkpoint does not match the template: "
+                     + "; ".join(problems) + ".")
+  return (path, flat, treedef, meta), None
+
+
 def restore_checkpoint(path: str | os.PathLike[str],
                        template: PyTree) -> PyTree:
   """Loads a `save_checkpoint` checkpoint into the structure of `template`.
@@ -242,6 +285,11 @@ def restore_checkpoint(path: str | os.PathLike[str],
   `period`, `factor` or `min_loss_scale` differs from the saved one raises
   an error naming both values.
 
+  The devices may differ from the save's: a checkpoint written by 2
+  processes restores into 1, or 4 devices' into 2, given a template
+  sharded over the devices there are now. With `jax.distributed`, every
+  process calls it, and each reads the shards its devices hold.
+
   Args:
     path: the directory `save_checkpoint` wrote.
     template: a pytree like the one saved (e.g. freshly initialized state,
@@ -250,16 +298,24 @@ def restore_checkpoint(path: str | os.PathLike[str],
       shapes, dtypes and loss-scale settings are checked.
 
   Returns:
-    The restored pytree. Leaves are JAX arrays (typed PRNG keys stay typed),
-    except where the template has a numpy array or a Python number, which
-    come back as the same kind. A template leaf without a sharding (a
-    `ShapeDtypeStruct` with none) gets the one it was saved with.
+    The restored pytree. Leaves are JAX arrays (typed PRNG keys stay
+    typed), except where the template has a numpy value or a Python
+    number, which come back as the same kind. A template leaf without a
+    sharding (a `ShapeDtypeStruct` with none, as `jax.eval_shape` gives)
+    comes back as it was saved: a numpy value or a Python number as such
+    (an `np.float64` stays float64), an array with the sharding it was
+    saved with, or replicated on every device where those devices are
+    gone. An array the template made outside `jit` (a fresh `jnp` array)
+    comes back as one, free to join sharded arguments of `jit`.
 
   Raises:
+    TypeError: `path` is not a path, or `template` is None.
     FileNotFoundError: nothing is at `path`.
     ValueError: `path` is not an mpolicy checkpoint or cannot be read (the
       message says which and why), or it does not match the template
       (every mismatch is listed).
+    TimeoutError: with several processes, another process did not call
+      `restore_checkpoint` (within five minutes of this one).
 
   >>> import os, tempfile, jax.numpy as jnp, mpolicy
   >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -269,42 +325,27 @@ def restore_checkpoint(path: str | os.PathLike[str],
   ...
   ValueError: The checkpoint does not match the template: the root: the checkpoint's DynamicLossScale has period=10, the template's DynamicLossScale has period=2000 (build the template with the saved settings; change them after restoring if you mean to).
 
-  See also: `save_checkpoint`.
+  See also: `save_checkpoint`, `CheckpointManager`.
   """
   what = "restore_checkpoint"
-  path = os.path.abspath(os.fspath(path))
-  if not os.path.lexists(path):
-    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
-  if not os.path.isdir(path):
-    hint = (" It looks like an .npz file, which numpy.load reads."
-            if path.endswith(".npz") else "")
-    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
-                     f"(a directory written by save_checkpoint).{hint}")
-  flat, described, treedef = _flatten(template, what)
-  ocp = _orbax()
-  with _ORBAX_LOCK, ocp.Checkpointer(
-      ocp.CompositeCheckpointHandler()) as checkpointer:
-    try:
-      meta = checkpointer.restore(
-          path, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # orbax raises many kinds; one is documented.
-      raise ValueError(f"{what}: {path} is not a readable mpolicy checkpoint "
-                       f"(its metadata could not be read: {e!r:.300}).") from e
-    if (not isinstance(meta, dict) or meta.get("format") != _FORMAT
-        or meta.get("version") != _VERSION):
-      raise ValueError(
-          f"{what}: {path} is not an mpolicy checkpoint of format "
-          f"{_FORMAT!r} version {_VERSION} (its metadata is {meta!r:.300}).")
-    problems = _problems(meta, described, _settings(template))
-    if problems:
-      raise ValueError("The checkpoint does not match the template: "
-                       + "; ".join(problems) + ".")
-    target = {k: _abstract(v) for k, v in flat.items()}
-    try:
-      restored = checkpointer.restore(path, ocp.args.Composite(
-          state=ocp.args.StandardRestore(target))).state
-    except Exception as e:  # orbax raises many kinds; one is documented.
-      raise ValueError(f"{what}: the arrays of {path} could not be read "
-                       f"({e!r:.300}); the checkpoint is damaged.") from e
-  leaves = [_like(flat[k], restored[k]) for k in flat]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  group = processes_lib.Processes(what)
+  (src, flat, treedef, meta), _ = group.step(
+      lambda: _read_meta(path, template, group, what))
+  kinds = meta.get("host_values", {})
+  saved = []  # The saved shardings, read once if a leaf needs them.
+
+  def saved_sharding(key):
+    if not saved:
+      saved.append(files.saved_shardings(src))
+    return saved[0].get(key)
+
+  def read():
+    target = {k: leaves_lib.restore_target(
+        v, kinds.get(k), meta["leaves"][k][0],
+        lambda k=k: saved_sharding(k)) for k, v in flat.items()}
+    return files.read_state(src, target, group, what), None
+
+  restored, _ = group.step(read)
+  out = [leaves_lib.restored_like(flat[k], restored[k], kinds.get(k))
+         for k in flat]
+  return jax.tree_util.tree_unflatten(treedef, out)

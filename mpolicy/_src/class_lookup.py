@@ -1,10 +1,9 @@
-"""Which registry entry governs one module call, for any module framework.
+"""Which registry entry governs a module call, for any module framework.
 
-A framework bridge (Haiku, Flax linen) asks `region_for_call` with the
-call's full module name, its class and what governs the enclosing call.
-``root`` is the framework's base module class: its entry is the default for
-every module (rule 4), never a class entry. This module imports no
-framework.
+One function, `decide`, reads the table for a module; the interceptor of
+every framework (`module_calls`) and `explain_policy` both ask it. ``root``
+is the framework's base module class: its entry is the default for every
+module (rule 4), never a class entry. This module imports no framework.
 
 Precedence, most specific first:
 
@@ -18,10 +17,21 @@ Precedence, most specific first:
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional, Union
 
+from mpolicy._src import frameworks
+from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
+
+# What `explain_policy` says after the winning entry, per rule.
+_WHY = {
+    1: "(rule 1: a pattern on the module's own name)",
+    2: "(rule 2: nearest class in the MRO)",
+    4: ("(rule 4), unless an enclosing module call or named scope has a "
+        "policy (rule 3)"),
+}
 
 
 def class_entry(cls: type, table: dict, root: type) -> Optional[type]:
@@ -44,6 +54,82 @@ def class_entry(cls: type, table: dict, root: type) -> Optional[type]:
     if registry.lookup(table, base) is not None:
       return base
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What the table says of one module, before inheritance (rule 3).
+
+  Attributes:
+    patterns: the patterns matching its name, most specific first.
+    entry: the nearest class of its MRO with an entry, if any.
+    default: its framework's root class, if that has an entry.
+    table: the `registry.snapshot` decided on.
+  """
+  patterns: tuple[str, ...]
+  entry: Optional[type]
+  default: Optional[type]
+  table: dict
+
+  @property
+  def rule(self) -> int:
+    """The rule that decides without an enclosing call: 1, 2, 4 or 5."""
+    if self.patterns:
+      return 1
+    if self.entry is not None:
+      return 2
+    return 4 if self.default is not None else 5
+
+  @property
+  def key(self) -> Optional[registry.Key]:
+    """The winning registry key, or ``None`` (rule 5)."""
+    if self.patterns:
+      return self.patterns[0]
+    return self.entry if self.entry is not None else self.default
+
+  @property
+  def policy(self) -> Optional[policy_lib.Policy]:
+    key = self.key
+    return None if key is None else registry.lookup(self.table, key)
+
+  @property
+  def source(self) -> str:
+    """The winning entry in words: ``pattern 'enc'``, ``class hk.Linear``,
+    ``default hk.Module``."""
+    kind = {1: "pattern", 2: "class", 4: "default"}[self.rule]
+    return f"{kind} {registry.key_name(self.key)}"
+
+  def candidates(self) -> tuple[str, ...]:
+    """Every entry that matched, most specific first, as names."""
+    keys = [*self.patterns, self.entry, self.default]
+    return tuple(registry.key_name(k) for k in keys if k is not None)
+
+
+def decide(name: Optional[str], cls: Optional[type], root: Optional[type],
+           table: Optional[dict] = None) -> Decision:
+  """What the registry holds for module ``name`` of class ``cls``.
+
+  Args:
+    name: the module's full name, or ``None`` (no pattern can match).
+    cls: the module's class, or ``None`` (no class entry).
+    root: its framework's base module class (the default's key), or
+      ``None``.
+    table: a `registry.snapshot`; this thread's entries if ``None``.
+
+  >>> class Module: pass
+  >>> class Dense(Module): pass
+  >>> with registry.push_policy("head", "full"):
+  ...   decision = decide("head", Dense, Module)
+  >>> decision.rule, decision.source, decision.candidates()
+  (1, "pattern 'head'", ("'head'",))
+  """
+  table = registry.snapshot() if table is None else table
+  patterns = (tuple(registry.matching_patterns(name, table))
+              if name is not None else ())
+  entry = class_entry(cls, table, root) if cls is not None else None
+  default = (root if root is not None
+             and registry.lookup(table, root) is not None else None)
+  return Decision(patterns, entry, default, table)
 
 
 def region_for_call(name: str, cls: type,
@@ -69,22 +155,17 @@ def region_for_call(name: str, cls: type,
   ...   print(region_for_call("head", Dense, None, Module).decided_by)
   pattern 'head'
   """
-  table = registry.snapshot()
+  decision = decide(name, cls, root)
   cls_name = registry.key_name(cls)
 
   def region(policy, decided_by, inherited=False):
+    policy_lib.require_x64(policy, f"module {name!r} ({decided_by})")
     return regions.Region(policy=policy, decided_by=decided_by,
                           module_name=name, module_class=cls_name,
                           inherited=inherited)
 
-  patterns = registry.matching_patterns(name, table)
-  if patterns:
-    return region(registry.lookup(table, patterns[0]),
-                  f"pattern {patterns[0]!r}")
-  entry = class_entry(cls, table, root)
-  if entry is not None:
-    return region(registry.lookup(table, entry),
-                  f"class {registry.key_name(entry)}")
+  if decision.rule in (1, 2):
+    return region(decision.policy, decision.source)
   if enclosing is not None:
     if enclosing.full_precision:
       return None
@@ -92,7 +173,101 @@ def region_for_call(name: str, cls: type,
       source = enclosing.module_name or enclosing.decided_by
       return region(enclosing.policy, f"inherited from {source}",
                     inherited=True)
-  default = registry.lookup(table, root)
-  if default is not None:
-    return region(default, f"default {registry.key_name(root)}")
+  if decision.rule == 4:
+    return region(decision.policy, decision.source)
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyExplanation:
+  """Which registry entry governs a module, and why.
+
+  Attributes:
+    policy: the winning policy, or ``None`` if nothing governs.
+    key: the registry key that won (a class or a pattern), or ``None``.
+    rule: the precedence rule that decided (1 pattern, 2 class, 4 default,
+      5 none). Rule 3, inheritance, depends on the call site and is
+      described in ``reason``.
+    reason: a sentence saying why.
+    candidates: every entry that matched, most specific first.
+
+  See also: `explain_policy`, which returns it.
+  """
+  policy: Optional[policy_lib.Policy]
+  key: Optional[registry.Key]
+  rule: int
+  reason: str
+  candidates: tuple[str, ...] = ()
+
+  def __str__(self) -> str:
+    lines = [self.reason]
+    if len(self.candidates) > 1:
+      lines.append("  also matched: " + ", ".join(self.candidates[1:]))
+    return "\n".join(lines)
+
+
+def _class_framework(value: Any) -> Optional[frameworks.Framework]:
+  """The framework of a module class that can key the registry, if any."""
+  framework = frameworks.framework_of(value)
+  if framework is not None and framework.class_policies:
+    return framework
+  return None
+
+
+def explain_policy(module_name_or_class: Union[str, type],
+                   module_class: Optional[type] = None) -> PolicyExplanation:
+  """Says which registry entry governs a module and why.
+
+  >>> import haiku as hk, mpolicy
+  >>> mpolicy.set_policy(hk.BatchNorm, "full")
+  >>> print(mpolicy.explain_policy(hk.BatchNorm))
+  hk.BatchNorm: p=f32,c=f32,o=f32 from class hk.BatchNorm (rule 2: nearest class in the MRO).
+  >>> mpolicy.clear_policies()
+
+  Args:
+    module_name_or_class: a full module name (``"encoder/~/linear_0"``) or
+      a module class.
+    module_class: with a name, the module's class, so class entries count
+      (and, for a Flax linen class, the default is the one on
+      ``nn.Module``). With a name alone the default is the one on
+      ``hk.Module``.
+
+  Returns:
+    A `PolicyExplanation`; ``str()`` of it reads as a sentence. A policy
+    inherited from an enclosing call (rule 3) depends on where the module is
+    called, so it is not decided here: the reason says so.
+
+  Raises:
+    TypeError: if ``module_name_or_class`` is neither a string nor a Haiku
+      or Flax linen module class, or ``module_class`` is given and is not
+      one.
+
+  See also: `explain` for what each primitive ran in.
+  """
+  kinds = " or ".join(f.name for f in frameworks.WITH_CLASS_POLICIES)
+  if isinstance(module_name_or_class, str):
+    name, cls = module_name_or_class, module_class
+  elif _class_framework(module_name_or_class) is not None:
+    name, cls = None, module_name_or_class
+  else:
+    raise TypeError(
+        f"explain_policy: expected a module name string or a {kinds} "
+        f"module class; got {module_name_or_class!r}.")
+  framework = frameworks.HAIKU if cls is None else _class_framework(cls)
+  if framework is None:
+    raise TypeError(
+        f"explain_policy: module_class must be a {kinds} module class; got "
+        f"{cls!r}.")
+  decision = decide(name, cls, framework.root())
+  subject = name if name is not None else registry.key_name(cls)
+  if decision.rule == 5:
+    return PolicyExplanation(
+        policy=None, key=None, rule=5, candidates=(),
+        reason=(f"{subject}: no entry matches; it inherits the policy of an "
+                "enclosing module call or named scope if there is one "
+                "(rule 3), otherwise it runs as written (rule 5)."))
+  why = f"{decision.source} {_WHY[decision.rule]}"
+  return PolicyExplanation(
+      policy=decision.policy, key=decision.key, rule=decision.rule,
+      candidates=decision.candidates(),
+      reason=f"{subject}: {decision.policy} from {why}.")

@@ -4,18 +4,21 @@
 batch is split over. The helpers keep three promises across devices:
 
 * Gradients are the gradients of the loss averaged over the data axes, and
-  are never averaged across the shards of a parameter. Under `pmap` each
-  device has its own gradient and they are averaged with a `pmean` (in
-  `reduce_dtype`). Inside `shard_map` (with `check_vma=True`), JAX's AD has
-  already summed every gradient over the devices that share its parameter
-  (the transpose of the implicit `pcast` of a replicated parameter, or of
-  the `all_gather` of an FSDP shard, is a sum): the sum is divided by the
-  number of data-parallel devices, and nothing is reduced twice. With
-  `check_vma=False` JAX does not sum a replicated parameter's gradient, and
-  does not record which gradients it summed: every gradient is treated as
-  a replicated parameter's and `pmean`-ed over the data axes (so FSDP
-  needs `check_vma=True`), and a mesh with axes besides the data axes is
-  refused. Real floating leaves are averaged in `reduce_dtype`, complex
+  are never averaged across the shards of a parameter. The sum across
+  devices runs in `reduce_dtype` wherever the helpers make it: under `pmap`
+  and `shard_map` with `check_vma=False` each device has its own gradient
+  and they are averaged with a `pmean` in `reduce_dtype`. Inside
+  `shard_map` with `check_vma=True`, JAX's AD would sum a replicated
+  parameter's gradient itself, in the gradient's dtype (the transpose of
+  the implicit `pvary`): `vary_replicated` marks the differentiated
+  parameters varying over the data axes before the loss, so their
+  gradients stay per device, and `average_grads` sums them in
+  `reduce_dtype`. Over a data axis that some parameter is sharded over
+  (FSDP), JAX's AD sums (the transpose of the user's `all_gather` is a
+  reduce-scatter in the gradient's dtype) and the sum is only divided.
+  With `check_vma=False` JAX does not record which gradients it summed:
+  FSDP needs `check_vma=True`, and a mesh with axes besides the data axes
+  is refused. Real floating leaves are averaged in `reduce_dtype`, complex
   ones in their own dtype, other leaves not at all.
 * The finiteness flag is agreed over *every* axis bound where the step is
   traced (data and model axes alike), so all devices skip together and the
@@ -59,14 +62,19 @@ def data_axes(axis_name: Any) -> tuple:
   return (axis_name,)
 
 
-def _check_bound(axes: tuple, where: str) -> None:
+def unbound_axes(axes: tuple) -> tuple[list, list]:
+  """`(the axes no enclosing pmap or shard_map binds, the bound names)`."""
   bound = jax_compat.bound_axis_names()
-  missing = [a for a in axes if a not in bound]
+  return [a for a in axes if a not in bound], sorted(map(str, bound))
+
+
+def _check_bound(axes: tuple, where: str) -> None:
+  missing, bound = unbound_axes(axes)
   if missing:
     raise ValueError(
         f"{where}: axis_name={axes if len(axes) != 1 else axes[0]!r} names "
         f"{missing!r}, which no enclosing pmap or shard_map binds (bound "
-        f"here: {sorted(map(str, bound))}). Pass the axes the batch is "
+        f"here: {bound}). Pass the axes the batch is "
         "split over, and call the step inside the pmap / shard_map; under "
         "plain jax.jit with sharded arrays pass axis_name=None.")
 
@@ -74,6 +82,11 @@ def _check_bound(axes: tuple, where: str) -> None:
 def _in_shard_map(axes: tuple) -> bool:
   manual = jax_compat.manual_axes()
   return bool(axes) and all(a in manual for a in axes)
+
+
+def _typed(axes: tuple) -> bool:
+  """Inside `shard_map` over `axes` with varying-axes types (`check_vma`)."""
+  return _in_shard_map(axes) and jax_compat.check_vma_enabled()
 
 
 def _mean_over(x: Any, axes: tuple, reduce_dtype: Any) -> Any:
@@ -86,7 +99,7 @@ def _mean_over(x: Any, axes: tuple, reduce_dtype: Any) -> Any:
 def _varying_data_axes(x: Any, axes: tuple) -> tuple:
   """The data axes to average ``x`` over: those it varies over when its
   type says so, all of them when it cannot (pmap, ``check_vma=False``)."""
-  if _in_shard_map(axes) and jax_compat.check_vma_enabled():
+  if _typed(axes):
     vma = jax_compat.varying_axes(x)
     return tuple(a for a in axes if a in vma)
   return axes
@@ -139,28 +152,80 @@ def check_loss_axes(loss: Any, axis_name: Any, where: str) -> None:
         "mesh axis whatever axis_name says.")
 
 
-def average_grads(grads: PyTree, axis_name: Any, reduce_dtype: Any) -> PyTree:
+def vary_replicated(args: tuple, argnums: Any, axis_name: Any
+                    ) -> tuple[tuple, Any]:
+  """`args` with the differentiated parameters marked varying over the data
+  axes they are replicated over, and those axes per gradient leaf.
+
+  Inside `shard_map` with `check_vma=True`, JAX's AD sums the gradient of a
+  replicated parameter over the devices itself, in the gradient's dtype
+  (bfloat16 for bfloat16 parameters), where the parameter meets the
+  batch. Marked varying first, the parameter's gradient stays per device
+  and `average_grads` sums it in `reduce_dtype`. Only the data axes that no
+  differentiated leaf is sharded over are marked: over an FSDP axis JAX's
+  AD sums (it derives the reduce-scatter from the user's `all_gather`),
+  and the loss must keep the axes it varies over by itself there, so that
+  `check_loss_axes` can tell a model axis from a data axis.
+
+  Returns:
+    `(args, per_device)`: `per_device` is shaped like the gradients
+    `jax.grad(..., argnums)` returns, with, for each leaf, the axes its
+    gradient still has to be summed over (`()` for none).
+  """
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  axes = data_axes(axis_name)
+  trees = [args[i] for i in nums]
+  leaves = jax.tree_util.tree_leaves(trees)
+  if _typed(axes):
+    sharded = frozenset().union(*map(jax_compat.varying_axes, leaves))
+    axes = tuple(a for a in axes if a not in sharded)
+  else:
+    axes = ()
+
+  args = list(args)
+  per_device = []
+  for i, tree in zip(nums, trees):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    marked = [bool(axes) and _work_dtype(x, None) is not None for x in leaves]
+    args[i] = treedef.unflatten([
+        jax_compat.make_varying(x, axes) if m else x
+        for x, m in zip(leaves, marked)])
+    per_device.append(treedef.unflatten([axes if m else () for m in marked]))
+  return tuple(args), (per_device[0] if isinstance(argnums, int)
+                       else tuple(per_device))
+
+
+def average_grads(grads: PyTree, axis_name: Any, reduce_dtype: Any,
+                  per_device: PyTree = None) -> PyTree:
   """The gradients of the loss averaged over the data axes.
 
   Under `pmap` (and `shard_map` with `check_vma=False`) a `pmean` over the
-  data axes in `reduce_dtype`; inside `shard_map` with `check_vma=True`,
-  JAX has already summed them, so the sum is divided by the number of
-  devices along the data axes (in `reduce_dtype`), with no collective.
+  data axes in `reduce_dtype`. Inside `shard_map` with `check_vma=True`,
+  each gradient is summed over its `per_device` axes (from
+  `vary_replicated`) in `reduce_dtype`; JAX has summed it over the others
+  already; the sum is divided by the number of devices along the data
+  axes, in `reduce_dtype`.
   """
   axes = data_axes(axis_name)
   if not axes:
     return grads
-  if _in_shard_map(axes) and jax_compat.check_vma_enabled():
-    count = int(np.prod([lax.axis_size(a) for a in axes]))
+  if not _typed(axes):
+    return jax.tree_util.tree_map(
+        lambda g: _mean_over(g, axes, reduce_dtype), grads)
+  count = int(np.prod([lax.axis_size(a) for a in axes]))
 
-    def divide(g):
-      work = _work_dtype(g, reduce_dtype)
-      if work is None:
-        return g
-      return (g.astype(work) / count).astype(g.dtype)
-    return jax.tree_util.tree_map(divide, grads)
-  return jax.tree_util.tree_map(
-      lambda g: _mean_over(g, axes, reduce_dtype), grads)
+  def average(g, sum_over):
+    work = _work_dtype(g, reduce_dtype)
+    if work is None:
+      return g
+    total = g.astype(work)
+    if sum_over:
+      total = lax.psum(total, sum_over)
+    return (total / count).astype(g.dtype)
+
+  if per_device is None:
+    per_device = jax.tree_util.tree_map(lambda _: (), grads)
+  return jax.tree_util.tree_map(average, grads, per_device)
 
 
 def agree_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -171,6 +236,15 @@ def agree_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
   """
   if not data_axes(axis_name):
     return finite
+  return agree_everywhere(finite)
+
+
+def agree_everywhere(finite: jax.Array) -> jax.Array:
+  """`finite` made the same on every device: True only where it is True on
+  all devices along the bound axes it may differ across (with varying-axes
+  types, the axes it varies over: none for a replicated value, so no
+  collective; else every bound axis). Unchanged outside `pmap` and
+  `shard_map`."""
   if jax_compat.check_vma_enabled() and jax_compat.manual_axes():
     # Typed: reduce over the axes the flag varies over, plus any non-manual
     # (pmap) axes bound around it.

@@ -19,6 +19,16 @@ import jax
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import recording
+from mpolicy._src import regions
+
+
+NOT_AMPED = "not amp-ed: runs as written"
+"""The note of a report on a function that no `amp` interprets."""
+
+# What governs such a function while `explain` traces it: nothing decides
+# (no op rule, no module policy, no name pattern), as when it runs.
+_AS_WRITTEN = regions.Region(policy=None, decided_by=NOT_AMPED,
+                             full_precision=True)
 
 
 Row = recording.Decision
@@ -85,8 +95,8 @@ class Report:
     (`ops_per_dtype`, most first; casts are ops too), then the casts the
     interpreter inserted for its op rules (`casts_inserted`), those made
     for module policies (`casts_by_policies`) and those written in the code
-    (`casts_in_code`). A report with a `note` (a function that was not
-    run under `amp`) ends the line with the note in parentheses.
+    (`casts_in_code`). A report with a `note` (a function that no `amp`
+    interprets: ``"not amp-ed: runs as written"``) leads with the note.
     The same numbers are ``to_dict()["totals"]``.
 
     >>> import jax.numpy as jnp
@@ -94,8 +104,9 @@ class Report:
     >>> f = mpolicy.amp(lambda x, w: jnp.exp(x @ w), "p=f32,c=bf16,o=f32")
     >>> explain(f, jnp.ones((2, 3)), jnp.ones((3, 4))).summary()
     '2 ops: 1 bfloat16, 1 float32; casts: 2 by op rules, 0 by module policies, 0 in the code'
-    >>> explain(jnp.exp, jnp.ones(3)).summary()
-    '1 op: 1 float32; casts: 0 by op rules, 0 by module policies, 0 in the code (the function was not amp-ed: explained as amp(fn) without a policy)'
+    >>> explain(lambda x, w: jnp.exp(x @ w), jnp.ones((2, 3)),
+    ...         jnp.ones((3, 4))).summary()
+    'not amp-ed: runs as written; 2 ops: 2 float32; casts: 0 by op rules, 0 by module policies, 0 in the code'
     """
     totals = self._totals()
     per = ", ".join(f"{n} {d}" for d, n in totals["ops_per_dtype"].items())
@@ -104,7 +115,7 @@ class Report:
             f"casts: {totals['casts_inserted']} by op rules, "
             f"{totals['casts_by_policies']} by module policies, "
             f"{totals['casts_in_code']} in the code")
-    return f"{line} ({self.note})" if self.note else line
+    return f"{self.note}; {line}" if self.note else line
 
   def _totals(self) -> dict[str, Any]:
     return {"ops": len(self.rows),
@@ -139,6 +150,10 @@ class Report:
       return "  ".join(c.ljust(w) for c, w in zip(cols, widths)) + "  " + cols[-1]
 
     out = [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 10,))]
+    if self.note == NOT_AMPED:
+      out.insert(0, f"{NOT_AMPED}: no op rule or policy applies to this "
+                 "function; wrap it in mpolicy.amp (or build it with "
+                 "mpolicy.transform_amp) for them.")
     out += [fmt(l) for l in lines]
     out.append(self.summary())  # With the note, if any.
     return "\n".join(out)
@@ -147,9 +162,14 @@ class Report:
 def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
   """Traces ``fn(*args, **kwargs)`` and reports the dtype of every primitive.
 
-  ``fn`` is an `amp`-ed function or the ``apply`` of `transform_amp`. Any
-  other function is explained as ``amp(fn)`` (no policy), which the report
-  notes. Nothing is computed: ``fn`` is only traced.
+  ``fn`` is an `amp`-ed function or the ``apply`` of `transform_amp` (or
+  a function that calls one, such as a `jax.jit` of it). Any other function
+  runs as written, and so the report describes it: every row ran in the
+  dtypes the code gives it, decided by ``"not amp-ed: runs as written"``,
+  and the report's `note` says so and leads its summary and its table (a
+  Flax linen ``model.apply`` or a plain ``hk.transform``'s apply are such
+  functions: the registry's class policies apply only under `amp`).
+  Nothing is computed: ``fn`` is only traced.
 
   >>> import jax.numpy as jnp
   >>> from mpolicy._src.amp import amp
@@ -165,11 +185,22 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
     _trace(fn, args, kwargs)
     ran = recording.interpreter_ran()
   if not ran:
-    note = ("the function was not amp-ed: explained as amp(fn) without a "
-            "policy")
+    # Recorded by the interpreter with every rule and hook off, so the
+    # rows have the shape of any other report's.
+    note = NOT_AMPED
     with recording.recording() as rows:
-      _trace(amp_lib.amp(fn), args, kwargs)
+      _trace(amp_lib.amp(_as_written(fn)), args, kwargs)
   return Report(rows=tuple(rows), note=note)
+
+
+def _as_written(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` traced under a region where nothing decides (see `explain`)."""
+
+  def run(*args, **kwargs):
+    with regions.tagged(_AS_WRITTEN):
+      return fn(*args, **kwargs)
+
+  return run
 
 
 def _trace(fn, args, kwargs) -> None:

@@ -3,7 +3,8 @@
 While `amp` traces a function it installs `module_policies`, a
 ``flax.linen.intercept_methods`` interceptor (Flax's public hook, the one
 Haiku's ``hk.intercept_methods`` is to the Haiku bridge). For each linen
-module method call a policy governs (see `class_lookup` for precedence):
+module method call a policy governs (the steps every framework shares are in
+`module_calls`; precedence is in `class_lookup`):
 
 - floating inputs are cast to the compute dtype;
 - the module runs with its ``dtype`` field set to the compute dtype and its
@@ -27,62 +28,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 import contextlib
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
 
-from mpolicy._src import class_lookup
 from mpolicy._src import dtypes
+from mpolicy._src import frameworks
 from mpolicy._src import jax_compat
+from mpolicy._src import module_calls
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
-from mpolicy._src import registry
-
-# Methods that configure a module rather than compute with it.
-_CONFIGURING = frozenset({"setup", "__init__", "__post_init__"})
-
-
-_CALLS = regions.CallStack()  # The module calls being traced.
-
-
-def _enclosing_region() -> Optional[regions.Region]:
-  """What governs the point where a module method is about to be called."""
-  if _CALLS.active:
-    return _CALLS.innermost()
-  return registry.region_for_scopes(jax_compat.current_scope_names())
-
-
-def _in_full_precision() -> bool:
-  marker = regions.marker_for(regions.FULL_PRECISION)
-  return marker in jax_compat.current_scope_names()
-
-
-def module_name(module: nn.Module) -> str:
-  """A linen module's full name: its path from the root, ``/``-joined.
-
-  Name patterns of the registry match this name (the root module's is
-  ``""``, which only ``"*"`` matches).
-
-  >>> import flax.linen as nn, jax, jax.numpy as jnp
-  >>> class Net(nn.Module):
-  ...   @nn.compact
-  ...   def __call__(self, x):
-  ...     return nn.Dense(2, name="head")(nn.Dense(3)(x))
-  >>> names = []
-  >>> def record(next_f, args, kwargs, context):
-  ...   names.append(module_name(context.module))
-  ...   return next_f(*args, **kwargs)
-  >>> with nn.intercept_methods(record):
-  ...   _ = Net().init(jax.random.PRNGKey(0), jnp.ones([1, 4]))
-  >>> names
-  ['', 'Dense_0', 'head']
-  """
-  try:
-    path = module.path
-  except Exception:  # pylint: disable=broad-except
-    return module.name or ""  # Unbound: no scope, so no path.
-  return "/".join(str(part) for part in path)
 
 
 def _field_overrides(module: nn.Module,
@@ -141,32 +97,19 @@ def _store_in_param_dtype(module: nn.Module,
                               policy.cast_to_param(value))
 
 
-def _interceptor(next_f, args, kwargs, context: nn.module.InterceptorContext):
-  """Runs one linen module method under the policy the registry gives it."""
-  if context.method_name in _CONFIGURING:
-    return next_f(*args, **kwargs)
-  module = context.module
-  enclosing = _enclosing_region()
-  if _in_full_precision() or (enclosing is not None
-                              and enclosing.full_precision):
-    region = None
-  else:
-    region = class_lookup.region_for_call(module_name(module), type(module),
-                                          enclosing, nn.Module)
-  if region is None:
-    with _CALLS.entered(None):
-      return next_f(*args, **kwargs)
-  policy = region.policy
-  with regions.policy_casts("inputs"):
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-  with _CALLS.entered(region), regions.tagged(region):
+class _Interceptor(module_calls.Interceptor):
+  """The shared module-call steps; a governed call runs with the policy's
+  dtype fields and stores its own variables in the param dtype."""
+
+  @contextlib.contextmanager
+  def running(self, module: nn.Module,
+              policy: policy_lib.Policy) -> Iterator[None]:
     with _fields_set(module, _field_overrides(module, policy)):
-      out = next_f(*args, **kwargs)
+      yield
     _store_in_param_dtype(module, policy)
-  if region.inherited:
-    return out  # Part of the enclosing call, which casts at its boundary.
-  with regions.policy_casts("outputs"):
-    return policy.cast_to_output(out)
+
+
+_interceptor = _Interceptor(frameworks.LINEN)
 
 
 @contextlib.contextmanager

@@ -2,22 +2,24 @@
 
 Four Haiku hooks do the work while the forward function is traced:
 
-- a method interceptor resolves the policy of each module call (via
-  `haiku_registry`), casts its floating inputs to the compute dtype, tags
-  the call's region for the interpreter, and casts its floating outputs to
-  the output dtype;
+- a method interceptor (the `module_calls.Interceptor` every framework
+  shares) resolves the policy of each module call, casts its floating
+  inputs to the compute dtype, tags the call's region for the interpreter,
+  and casts its floating outputs to the output dtype;
 - a creator makes parameters and state in the param dtype;
 - a getter hands parameters and state to the module in the compute dtype;
 - a setter stores state (e.g. BatchNorm's moving averages) back in the param
   dtype, so it never drifts into the compute dtype.
 
 `transform_amp` wraps the forward in these hooks and runs `apply` through the
-interpreter, which adds the op-level rules inside each tagged region.
+interpreter, which adds the op-level rules inside each tagged region. `amp`
+installs the same hooks (`module_policies`) while it traces a plain
+``hk.transform``, so ``amp(hk.transform(f).apply)`` gets the same policies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import contextlib
 import functools
 import sys
@@ -29,10 +31,9 @@ import haiku as hk
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
-from mpolicy._src import jax_compat
-from mpolicy._src import haiku_registry
+from mpolicy._src import frameworks
+from mpolicy._src import module_calls
 from mpolicy._src import op_rules as op_rules_lib
-from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
 
@@ -51,51 +52,6 @@ def _answer_warningregistry_on_flax_stand_in() -> None:
 
 
 _answer_warningregistry_on_flax_stand_in()
-
-
-_CALLS = regions.CallStack()  # The module calls being traced.
-
-
-def _innermost() -> Optional[regions.Region]:
-  return _CALLS.innermost()
-
-
-def current_policy() -> Optional[policy_lib.Policy]:
-  """The policy in force in the module call being traced, else ``None``.
-
-  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
-  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=f32")
-  >>> class Probe(hk.Linear):
-  ...   def __call__(self, x):
-  ...     print(mpolicy.current_policy())
-  ...     return super().__call__(x)
-  >>> f = mpolicy.transform_amp(lambda x: Probe(2)(x))
-  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
-  p=f32,c=bf16,o=f32
-  >>> mpolicy.current_policy() is None
-  True
-  >>> mpolicy.clear_policies()
-
-  See also: `explain_policy`, `set_policy`.
-  """
-  region = _innermost()
-  return region.policy if region is not None else None
-
-
-def _enclosing_region() -> Optional[regions.Region]:
-  """What governs the point of tracing where a module is about to be called.
-
-  Inside a module call that is the call's region. Outside any, it is the
-  innermost named scope a pattern matches, or a `full_precision()` block.
-  """
-  if _CALLS.active:
-    return _CALLS.innermost()
-  return registry.region_for_scopes(jax_compat.current_scope_names())
-
-
-def _in_full_precision() -> bool:
-  marker = regions.marker_for(regions.FULL_PRECISION)
-  return marker in jax_compat.current_scope_names()
 
 
 class HaikuPolicyWarning(UserWarning):
@@ -137,38 +93,19 @@ def _warn_if_haiku_policy(cls: type) -> None:
       HaikuPolicyWarning, stacklevel=2)
 
 
-def _interceptor(next_f, args, kwargs, context: hk.MethodContext):
-  """Runs one module method under the policy the registry gives it."""
-  if context.method_name == "__init__":
-    return next_f(*args, **kwargs)  # Constructors take configuration.
-  module = context.module
-  _warn_if_haiku_policy(type(module))
-  enclosing = _enclosing_region()
-  if _in_full_precision() or (enclosing is not None
-                              and enclosing.full_precision):
-    region = None
-  else:
-    region = haiku_registry.region_for_module(module.module_name,
-                                              type(module), enclosing)
-  if region is None:
-    with _CALLS.entered(None):
-      return next_f(*args, **kwargs)
-  policy = region.policy
-  with regions.policy_casts("inputs"):
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-  with _CALLS.entered(region), regions.tagged(region):
-    out = next_f(*args, **kwargs)
-  if region.inherited:
-    # Part of the enclosing call: that call casts at its own boundary, so
-    # inner layers do not cast to the output dtype and straight back.
-    return out
-  with regions.policy_casts("outputs"):
-    return policy.cast_to_output(out)
+class _Interceptor(module_calls.Interceptor):
+  """The shared module-call steps, plus Haiku's own policy check."""
+
+  def before(self, module: hk.Module) -> None:
+    _warn_if_haiku_policy(type(module))
+
+
+_interceptor = _Interceptor(frameworks.HAIKU)
 
 
 def _creator(next_creator, shape, dtype, init, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is None or not dtypes.is_float(dtype):
     return next_creator(shape, dtype, init)
   return next_creator(shape, region.policy.param_dtype, init)
@@ -176,7 +113,7 @@ def _creator(next_creator, shape, dtype, init, context):
 
 def _getter(next_getter, value, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is not None:
     with regions.policy_casts("parameters"):
       value = region.policy.cast_to_compute(value)
@@ -185,11 +122,45 @@ def _getter(next_getter, value, context):
 
 def _setter(next_setter, value, context):
   del context
-  region = _innermost()
+  region = module_calls.CALLS.innermost()
   if region is not None:
     with regions.policy_casts("state"):
       value = region.policy.cast_to_param(value)
   return next_setter(value)
+
+
+class _Hooks(threading.local):
+  """Which of this bridge's hooks are installed in this thread.
+
+  ``by`` is ``"with_policies"`` while a forward wrapped by `with_policies`
+  (so by `transform_amp`) runs: it installs every hook itself. It is
+  ``"amp"`` inside the outermost module call of a plain Haiku transform
+  traced by `amp`, where `module_policies` installed the value hooks.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.by: Optional[str] = None
+
+  @contextlib.contextmanager
+  def installed(self, by: str):
+    previous, self.by = self.by, by
+    try:
+      yield
+    finally:
+      self.by = previous
+
+
+_HOOKS = _Hooks()
+
+
+def _value_hooks() -> contextlib.ExitStack:
+  """The creator, getter and setter (inside a transform only)."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(hk.custom_creator(_creator, params=True, state=True))
+  stack.enter_context(hk.custom_getter(_getter, params=True, state=True))
+  stack.enter_context(hk.custom_setter(_setter))
+  return stack
 
 
 def with_policies(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -213,13 +184,27 @@ def with_policies(fn: Callable[..., Any]) -> Callable[..., Any]:
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with contextlib.ExitStack() as stack:
+      stack.enter_context(_HOOKS.installed("with_policies"))
       stack.enter_context(hk.intercept_methods(_interceptor))
-      stack.enter_context(hk.custom_creator(_creator, params=True, state=True))
-      stack.enter_context(hk.custom_getter(_getter, params=True, state=True))
-      stack.enter_context(hk.custom_setter(_setter))
+      stack.enter_context(_value_hooks())
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def _check_forward(fn: Any, name: str) -> None:
+  """Raises a `TypeError` unless ``fn`` is a forward function to transform."""
+  if isinstance(fn, (hk.Transformed, hk.TransformedWithState,
+                     hk.MultiTransformed, hk.MultiTransformedWithState)):
+    raise TypeError(
+        f"{name} takes the forward function itself, as hk.transform does, "
+        f"not an already transformed one: call {name}(f), not "
+        f"{name}(hk.transform(f)); got {type(fn).__name__}. (To run an "
+        "existing hk.transform's apply under the op rules and the "
+        "registry's policies, use mpolicy.amp(transformed.apply).)")
+  if not callable(fn):
+    raise TypeError(f"{name} takes a forward function, got {fn!r} of type "
+                    f"{type(fn).__name__}.")
 
 
 def transform_amp(fn: Callable[..., Any], *,
@@ -259,8 +244,13 @@ def transform_amp(fn: Callable[..., Any], *,
   Returns:
     An `hk.Transformed` with Haiku's `init` and `apply` signatures.
 
+  Raises:
+    TypeError: if ``fn`` is already transformed (``hk.transform(f)``):
+      pass the forward function ``f`` itself.
+
   See also: `transform_amp_with_state`, `set_policy`, `explain`.
   """
+  _check_forward(fn, "transform_amp")
   transformed = hk.transform(with_policies(fn))
   apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
@@ -288,7 +278,49 @@ def transform_amp_with_state(fn: Callable[..., Any], *,
 
   See also: `transform_amp`.
   """
+  _check_forward(fn, "transform_amp_with_state")
   transformed = hk.transform_with_state(with_policies(fn))
   apply = amp_lib.interpret(transformed.apply, rules=rules,
                                 cast_outputs=False)
   return hk.TransformedWithState(init=transformed.init, apply=apply)
+
+
+def _amp_interceptor(next_f, args, kwargs, context: hk.MethodContext):
+  """`amp`'s hook for a plain Haiku transform traced inside it."""
+  if _HOOKS.by == "with_policies":
+    return next_f(*args, **kwargs)  # transform_amp's hooks apply already.
+  if _HOOKS.by == "amp" or context.method_name == "__init__":
+    return _interceptor(next_f, args, kwargs, context)
+  # The outermost module call: the value hooks go on for its duration
+  # (Haiku's own mixed precision does the same).
+  with _HOOKS.installed("amp"), _value_hooks():
+    return _interceptor(next_f, args, kwargs, context)
+
+
+@contextlib.contextmanager
+def module_policies() -> Iterator[None]:
+  """Applies the registry to Haiku module calls that `amp` traces.
+
+  `amp` enters it while it traces (through `frameworks`), so
+  ``amp(hk.transform(f).apply)`` honours class and name-pattern entries
+  as ``transform_amp(f).apply`` does: the same casts of inputs,
+  parameters, state and outputs, the same region markers, so the same op
+  rules (`explain` rows match). Parameters are as ``init`` made them:
+  ``amp`` cannot change what a plain ``hk.transform(f).init`` stored
+  (``transform_amp(f).init`` creates them in the param dtype). Inside a
+  `transform_amp` (or `with_policies`) forward it does nothing: those
+  hooks apply already. With an empty registry nothing is installed.
+
+  >>> import haiku as hk, jax, jax.numpy as jnp, mpolicy
+  >>> mpolicy.set_policy(hk.Linear, "p=f32,c=bf16,o=bf16")
+  >>> f = hk.transform(lambda x: hk.Linear(2)(x))
+  >>> params = f.init(jax.random.PRNGKey(0), jnp.ones([1, 3]))
+  >>> mpolicy.amp(f.apply)(params, None, jnp.ones([1, 3])).dtype
+  dtype(bfloat16)
+  >>> mpolicy.clear_policies()
+  """
+  if not registry.snapshot():
+    yield
+    return
+  with hk.intercept_methods(_amp_interceptor):
+    yield

@@ -14,8 +14,16 @@ the primitive again with the new sub-jaxprs:
 * `custom_linear_solve` runs exactly as traced (operands cast back to the
   dtypes its solver was written for).
 
-A primitive with sub-jaxprs that is not in the table raises
-`UnsupportedPrimitiveError` rather than being silently skipped.
+JAX's next-generation constructs (``jax_scan3``, ``jax_remat3``,
+``jax_custom_vjp3``, ``jax_custom_jvp3``) are one primitive,
+``call_hi_primitive``, applying an object per construct; `_construct`
+rebuilds each kind the way its classic primitive is rebuilt (a scan3 loop's
+carries are references: what the body writes to one is cast to the
+reference's dtype, see `rules.special`).
+
+A primitive with sub-computations that is in no table raises
+`UnsupportedPrimitiveError` rather than being silently skipped (see
+`sub_computations`).
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+import jax
 
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
+
+_hj = jax_compat.hijax
 
 
 class UnsupportedPrimitiveError(NotImplementedError):
@@ -66,12 +77,21 @@ def _call(scope, eqn, invals):
   return _bind(eqn, invals, body=new)
 
 
-def _open_call(scope, eqn, invals):
+def _open_call(scope, eqn, invals, **by_role):
   """`call`/`checkpoint`: one open sub-jaxpr; new consts become operands."""
   jaxpr = jax_compat.sub_jaxpr(eqn)
   new = scope.trace(_closed(jaxpr), _avals_like(jaxpr.invars, invals))
   new_jaxpr, consts = jax_compat.open_jaxpr_with_consts_first(new)
-  return _bind(eqn, [*consts, *invals], body=new_jaxpr)
+  return _bind(eqn, [*consts, *invals], body=new_jaxpr, **by_role)
+
+
+def _checkpoint(scope, eqn, invals):
+  """`jax.checkpoint`: its policy sees the half matmul and convolution
+  primitives as the JAX ones they stand for (so ``dots_saveable`` keeps
+  their results, as it keeps JAX's)."""
+  policy = jax_compat.sub_jaxpr(eqn, "policy")
+  return _open_call(scope, eqn, invals,
+                    policy=jax_compat.policy_seeing_views(policy))
 
 
 def _scan(scope, eqn, invals):
@@ -188,12 +208,155 @@ def _as_traced(scope, eqn, invals):
   return _bind(eqn, args)
 
 
+# --- The next-generation constructs -------------------------------------------
+
+
+def _rebuilt(scope, invals, body, rebuild):
+  """A construct with one body run at its operands' dtypes: ``rebuild``
+  makes it around the new body, whose consts become leading operands."""
+  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals))
+  new_obj, consts = rebuild(new)
+  return _hj.bind(new_obj, [*consts, *invals])
+
+
+def _scan3(scope, eqn, obj, invals):
+  """A scan3 loop: its body (carries are references) at the dtypes its
+  operands now have; its outputs take what dtypes the rules give them."""
+  del eqn
+  return _rebuilt(scope, invals, _hj.scan_body(obj),
+                  lambda body: _hj.scan_rebuild(obj, body))
+
+
+def _remat3(scope, eqn, obj, invals):
+  """`jax.checkpoint` under remat3: as `checkpoint` (its policy kept; JAX
+  asks it about the half matmuls' views, see `jax_compat.remat`)."""
+  del eqn
+  return _rebuilt(scope, invals, _hj.remat_body(obj),
+                  lambda body: _hj.remat_rebuild(obj, body))
+
+
+def _primal_of(obj, invals) -> jax_compat.ClosedJaxpr:
+  primal = _hj.custom_primal(obj)
+  if primal is None or len(primal.in_avals) != len(invals):
+    raise UnsupportedPrimitiveError(
+        f"mpolicy: cannot match the operands of {_hj.name(obj)} to its "
+        f"primal function ({len(invals)} operands); run it inside "
+        "`mpolicy.full_precision()`")
+  return primal
+
+
+def _cast_now(x, dtype):
+  """A cast made where a lazily run rule runs (not cached in an `Env`)."""
+  if dtype is None or not dtypes.float_value(x) or dtypes.dtype_of(x) == dtype:
+    return x
+  return jax.lax.convert_element_type(x, dtype)
+
+
+def _interpreted(scope, fn, out_dtypes=None, in_dtypes=None):
+  """``fn``, one of JAX's rule functions (pytrees in and out), run under
+  the rules wherever JAX calls it: traced, interpreted quietly and
+  evaluated. ``out_dtypes(n)`` gives the dtype of each of its ``n`` output
+  leaves (``None`` entries, or a ``None`` list: as they come); without
+  it, each output keeps the dtype ``fn`` gives it. ``in_dtypes(n)``, if
+  given, the dtypes to cast its ``n`` input leaves to where it does not
+  trace at theirs."""
+
+  def run(*args):
+    try:
+      closed, dynamic, finish = _hj.trace_rule(fn, args)
+    except Exception:  # pylint: disable=broad-except
+      if in_dtypes is None:
+        raise
+      leaves, tree = jax.tree_util.tree_flatten(args)
+      want = in_dtypes(len(leaves))
+      if want is None:
+        raise
+      args = jax.tree_util.tree_unflatten(
+          tree, [_cast_now(x, d) for x, d in zip(leaves, want)])
+      closed, dynamic, finish = _hj.trace_rule(fn, args)
+    if out_dtypes is None:
+      fixed = [a.dtype for a in closed.out_avals]
+    else:
+      wanted = out_dtypes(len(finish.out_dynamic))
+      fixed = (None if wanted is None else
+               [d for d, dyn in zip(wanted, finish.out_dynamic) if dyn])
+    new = scope.trace(closed, closed.in_avals, out_dtypes=fixed, quiet=True)
+    return finish(_hj.eval_closed(new, dynamic))
+
+  return _hj.keep_name(run, fn)
+
+
+def _custom_vjp3(scope, eqn, obj, invals):
+  """As `_custom_vjp`: operands cast to the dtypes the rules were written
+  for; the primal and the forward rule run under the rules and return
+  those dtypes; the backward rule is kept."""
+  primal = _primal_of(obj, invals)
+  args = [scope.cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+  new_primal = scope.trace(primal, primal.in_avals,
+                           out_dtypes=[a.dtype for a in primal.out_avals])
+  new_fwd = _interpreted(scope, _hj.custom_vjp_fwd(obj))
+  return _hj.bind(_hj.custom_vjp_rebuild(obj, new_primal, new_fwd), args)
+
+
+def _custom_jvp3(scope, eqn, obj, invals):
+  """As `_custom_jvp`: the primal and the JVP rule run under the rules at
+  the operands' dtypes (the rule at the dtypes it was written for where it
+  does not trace at theirs); its outputs follow the primal's dtypes."""
+  del eqn
+  primal = _primal_of(obj, invals)
+  new_primal = scope.trace(primal, _avals_like(primal.jaxpr.invars, invals))
+  outs = [a.dtype for a in new_primal.out_avals]
+  written = [a.dtype for a in primal.in_avals]
+  # The rule maps (primals, tangents) to (outputs, output tangents).
+  wrap = lambda rule: _interpreted(
+      scope, rule,
+      out_dtypes=lambda n: outs * 2 if n == 2 * len(outs) else None,
+      in_dtypes=lambda n: written * 2 if n == 2 * len(written) else None)
+  return _hj.bind(_hj.custom_jvp_rebuild(obj, new_primal, wrap), invals)
+
+
+def _checkpoint_name3(scope, eqn, obj, invals):
+  """`checkpoint_name` under remat3: the same name on the value as it is."""
+  del scope, eqn
+  (x,) = invals
+  return _hj.bind(_hj.checkpoint_name_rebuild(obj, jax_compat.aval_of(x)),
+                  [x])
+
+
+_CONSTRUCT_RULES: dict[str, Callable[..., list]] = {
+    "scan": _scan3,
+    "remat": _remat3,
+    "custom_vjp": _custom_vjp3,
+    "custom_jvp": _custom_jvp3,
+    "checkpoint_name": _checkpoint_name3,
+}
+
+
+def _construct(scope, eqn, invals):
+  """``call_hi_primitive``: the rule of its construct's kind. A construct
+  mpolicy does not know runs as traced if it carries no sub-computation
+  (a first-order operation of JAX's or the user's), and is refused if it
+  does, except inside `full_precision()`."""
+  obj = _hj.hi_object(eqn)
+  rule = _CONSTRUCT_RULES.get(_hj.kind(obj))
+  if rule is not None:
+    return rule(scope, eqn, obj, invals)
+  if (_hj.sub_computations(_hj.construct_params(obj))
+      and not scope.as_written()):
+    raise UnsupportedPrimitiveError(
+        f"mpolicy cannot apply its op rules inside {_hj.name(obj)} (a "
+        f"call_hi_primitive construct): it carries a sub-computation, and "
+        f"mpolicy knows the constructs {', '.join(sorted(_hj.KINDS))}. Run "
+        f"it as written inside `mpolicy.full_precision()`.")
+  return _as_traced(scope, eqn, invals)
+
+
 _RULES: dict[Any, Callable[..., list]] = {
     jax_compat.jit_p: _call,
     jax_compat.scan_p: _scan,
     jax_compat.while_p: _while,
     jax_compat.cond_p: _cond,
-    jax_compat.remat_p: _open_call,
+    jax_compat.remat_p: _checkpoint,
     jax_compat.custom_jvp_call_p: _custom_jvp,
     jax_compat.custom_vjp_call_p: _custom_vjp,
 }
@@ -205,6 +368,8 @@ if jax_compat.shard_map_p is not None:
   _RULES[jax_compat.shard_map_p] = _shard_map
 if jax_compat.linear_solve_p is not None:
   _RULES[jax_compat.linear_solve_p] = _as_traced
+if _hj.call_hi_primitive_p is not None:
+  _RULES[_hj.call_hi_primitive_p] = _construct
 
 
 def rule_for(primitive) -> Optional[Callable[..., list]]:
@@ -215,15 +380,3 @@ def rule_for(primitive) -> Optional[Callable[..., list]]:
 def supported() -> tuple[str, ...]:
   """Names of the higher-order primitives the interpreter enters."""
   return tuple(sorted(p.name for p in _RULES))
-
-
-def check_first_order(eqn) -> None:
-  """Raises if ``eqn`` hides sub-jaxprs the interpreter cannot enter."""
-  if eqn.primitive in jax_compat.SCALAR_COMBINER_PRIMITIVES:
-    return
-  if jax_compat.jaxprs_in_params(eqn.params):
-    raise UnsupportedPrimitiveError(
-        f"mpolicy cannot apply its op rules inside the higher-order primitive "
-        f"{eqn.primitive.name!r}: it has sub-jaxprs, and mpolicy knows how to "
-        f"enter only {', '.join(supported())}. Wrap the call in "
-        f"`mpolicy.full_precision()` and open an issue.")

@@ -35,7 +35,9 @@ from mpolicy._src import registry
 from mpolicy._src import rules
 from mpolicy._src import sites
 from mpolicy._src import staged
+from mpolicy._src import sub_computations
 from mpolicy._src import widen
+from mpolicy._src.rules import facts as facts_lib
 
 
 # --- The environment ----------------------------------------------------------
@@ -218,6 +220,11 @@ class Scope:
     return self._per_input([self._env.const_of(x) for x in self._invals],
                            in_avals, eqn, None)
 
+  def as_written(self) -> bool:
+    """Whether code at this call site runs as written (`full_precision()`)."""
+    region = self._config.region(self.names)
+    return region is not None and region.full_precision
+
   def cast(self, x, dtype):
     """``x`` cast to ``dtype`` (cached) if it is floating, else ``x``."""
     if dtype is None or not dtypes.float_value((x)) or not dtypes.is_float(dtype):
@@ -355,7 +362,7 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
       else:
         region = config.region(names)
         if region is None or not region.full_precision:
-          higher_order.check_first_order(eqn)
+          sub_computations.check(eqn, config.rules)
         with sites.site(eqn, names, region, invals) as site:
           if site.in_float32:  # An op-level float32 island (the debugger's).
             outs = site.run_in_float32(eqn, invals, env.cast, lambda ins: (
@@ -378,7 +385,7 @@ def _read_only_by_full(jaxpr, rules) -> set:
   for eqn in jaxpr.eqns:
     full = ((rules.class_of(eqn.primitive.name) == op_rules_lib.FULL
              and higher_order.rule_for(eqn.primitive) is None)
-            or (eqn.primitive is jax_compat.convert_element_type_p
+            or (facts_lib.of(eqn.primitive).casts
                 and jax_compat.cast_target(eqn)[0] == jnp.float32))
     for v in eqn.invars:
       if not isinstance(v, jax_compat.Literal):

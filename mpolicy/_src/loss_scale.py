@@ -2,8 +2,10 @@
 
 Three immutable loss scales with one interface (`loss_scale`, `scale`,
 `unscale`, `adjust`), each a pytree, plus `all_finite` and `select_tree`.
-Scaling runs in float32 or wider and returns each leaf in its own dtype, so
-a scale that a float16 cannot hold still unscales float16 gradients;
+Scaling runs in float32 or wider and returns each leaf in its own dtype
+(float8 included), so a scale that a float16 cannot hold still unscales
+float16 gradients, and a value that overflows its leaf's dtype is never
+saturated to a finite one;
 constructors reject values that would silently lose gradients (zero,
 negative, inf or nan scales, a floor above the scale).
 
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 
@@ -47,13 +50,73 @@ def _scale_dtype(loss_scale: Any) -> Any:
   return jax.dtypes.canonicalize_dtype(dtype)
 
 
+def _work_dtype(*floats: Any) -> np.dtype:
+  """float32, or float64 where one of the float dtypes ``floats`` is.
+
+  Narrower dtypes (float16, bfloat16, float8) work in float32, widened
+  explicitly: JAX's promotion refuses float8 with float32.
+
+  >>> _work_dtype(jnp.float8_e4m3fn, jnp.bfloat16)
+  dtype('float32')
+  """
+  wide = [d for d in floats if np.dtype(d).itemsize > 4]
+  return np.dtype(jax.dtypes.canonicalize_dtype(wide[0] if wide
+                                                 else jnp.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _float8_overflow(dtype: np.dtype) -> tuple[float, bool, Any, Any]:
+  """``(limit, inclusive, +special, -special)`` for casting to ``dtype``.
+
+  A float32 value overflows ``dtype`` where its magnitude reaches ``limit``
+  (halfway past the largest finite value; a tie rounds to even, so whether
+  ``limit`` itself overflows depends on the dtype: ``inclusive``). It then
+  becomes ``±special``: inf where the dtype has one, else nan.
+  """
+  info = jnp.finfo(dtype)
+  largest = float(info.max)
+  half_ulp = 2.0 ** (np.floor(np.log2(largest)) - info.nmant - 1)
+  limit = np.float32(largest + half_ulp)
+  inclusive = not np.isfinite(float(limit.astype(dtype)))
+  specials = np.array([np.inf, -np.inf], np.float32).astype(dtype)
+  if np.isfinite(specials.astype(np.float32)).any():
+    raise TypeError(
+        f"loss scaling: {np.dtype(dtype).name} has neither inf nor nan, so "
+        "an overflow would be a finite, wrong value that no finiteness check "
+        "sees; keep such leaves in float8_e4m3fn, float8_e5m2 or wider.")
+  return float(limit), inclusive, specials[0], specials[1]
+
+
+def _cast_narrow(y: jax.Array, dtype: Any) -> jax.Array:
+  """``y`` in ``dtype``, rounded to nearest, where an overflow is non-finite.
+
+  For float8 dtypes the overflow is made explicit, whatever the backend's
+  conversion does (some saturate): a value beyond the largest finite one
+  becomes inf (float8_e5m2) or nan (float8_e4m3fn, which has no inf), so
+  `all_finite` sees it and a dynamic loss scale backs off. A saturated
+  value would be a wrong gradient that looks finite. Other dtypes convert
+  as JAX does (IEEE: overflow to inf).
+
+  >>> y = jnp.array([1.5, 500., -1e6])
+  >>> _cast_narrow(y, jnp.float8_e4m3fn), _cast_narrow(y, jnp.float8_e5m2)
+  (Array([1.5, nan, nan], dtype=float8_e4m3fn), Array([1.5, 512, -inf], dtype=float8_e5m2))
+  """
+  out = y.astype(dtype)
+  if np.dtype(dtype).itemsize != 1:
+    return out
+  limit, inclusive, pos, neg = _float8_overflow(np.dtype(dtype))
+  size = jnp.abs(y)
+  over = size >= limit if inclusive else size > limit
+  return jnp.where(over, jnp.where(y < 0, neg, pos), out)
+
+
 def _apply_scale(tree: T, loss_scale: Any, op, who: str) -> T:
   """`op(leaf, loss_scale)` on the floating leaves, each back in its dtype.
 
   The arithmetic runs in float32 (or wider, if the leaf or the scale is):
   a scale such as 2 ** 17 does not exist in float16, and dividing a float16
   gradient by it in float16 would give 0. Only a result that overflows the
-  leaf's own dtype becomes inf.
+  leaf's own dtype becomes non-finite (see `_cast_narrow` for float8).
   """
   if np.ndim(loss_scale) != 0:
     raise ValueError(
@@ -70,13 +133,11 @@ def _apply_scale(tree: T, loss_scale: Any, op, who: str) -> T:
     dtype = getattr(x, "dtype", None)
     if dtype is None and not hasattr(loss_scale, "dtype"):
       return op(x, loss_scale)  # Python numbers: exact enough, no overflow.
-    work = jnp.promote_types(jnp.float32, scale_dtype)
-    if dtype is not None:
-      work = jnp.promote_types(work, jax.dtypes.canonicalize_dtype(dtype))
+    work = _work_dtype(scale_dtype, *(() if dtype is None else (dtype,)))
     if work not in cast_scales:
       cast_scales[work] = jnp.asarray(loss_scale).astype(work)
     y = op(jnp.asarray(x).astype(work), cast_scales[work])
-    return y if dtype is None else y.astype(dtype)
+    return y if dtype is None else _cast_narrow(y, dtype)
 
   return jax.tree_util.tree_map(apply, tree)
 
@@ -252,7 +313,9 @@ class StaticLossScale:
   own dtype; integer and other leaves pass through unchanged. The
   arithmetic runs in float32 (or wider), so a scale beyond the leaf dtype's
   range (2 ** 17 for float16) still unscales float16 gradients correctly;
-  only a true overflow of the leaf's dtype gives inf.
+  the result is rounded to nearest in the leaf's dtype, and only a true
+  overflow of that dtype is non-finite: inf, or nan in float8_e4m3fn (which
+  has no inf), never its largest finite value, so `all_finite` sees it.
 
   Args:
     loss_scale: a non-negative, finite scalar (a Python number or a scalar
@@ -345,7 +408,10 @@ class DynamicLossScale:
   flattening. `scale` and `unscale` compute in float32 (or wider) and
   return floating leaves in their own dtype, so a scale such as 2 ** 20
   unscales float16 gradients correctly; integer and other leaves pass
-  through.
+  through. A result beyond the leaf dtype's range is inf (nan in
+  float8_e4m3fn, which has no inf), never saturated, so the step shows as
+  not finite and the scale backs off: a float8_e5m2 gradient of 4 scaled
+  by 2 ** 15 overflows (its largest value is 57344).
 
   Args:
     loss_scale: the initial scale: a positive, finite number of any float
@@ -469,13 +535,13 @@ class DynamicLossScale:
     """
     grads_finite = _require_scalar_bool(grads_finite, "grads_finite")
     dtype = jnp.result_type(self.loss_scale)
-    work = (jnp.promote_types(dtype, jnp.float32)
-            if jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
+    work = (_work_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating)
+            else jnp.float32)
     scale = jnp.asarray(self.loss_scale).astype(work)
 
     grown = scale * self.factor
     if jnp.issubdtype(dtype, jnp.floating):
-      grown_fits = jnp.isfinite(grown.astype(dtype))
+      grown_fits = jnp.isfinite(_cast_narrow(grown, dtype))
     else:
       grown_fits = grown < float(jnp.iinfo(dtype).max) + 1
     grow = self.counter >= self.period - 1
@@ -517,6 +583,41 @@ jax.tree_util.register_pytree_node(
 jax.tree_util.register_pytree_node_class(DynamicLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def require_loss_scale(x: Any, who: str, call: str) -> None:
+  """Raises a `TypeError` unless ``x`` is a loss scale.
+
+  A loss scale is one of the three classes, or any object with their
+  `scale`, `unscale` and `adjust` methods (such as jmp's). A number or an
+  array is not: the message says which class holds it. Anything else is
+  most often a forgotten loss scale (the arguments shifted by one).
+
+  Args:
+    x: what was passed as the loss scale.
+    who: the function that got it, e.g. ``"scaled_value_and_grad"``.
+    call: how the function is called, e.g. ``"g(loss_scale, *args)"``.
+
+  >>> require_loss_scale(2. ** 15, "step", "step(loss_scale, x)")
+  Traceback (most recent call last):
+  ...
+  TypeError: step: loss_scale must be a loss scale (mpolicy.NoOpLossScale(), StaticLossScale(value) or DynamicLossScale(value)), got 32768.0 (float); call it as step(loss_scale, x). To scale by this number, pass StaticLossScale(32768.0), or DynamicLossScale(32768.0) to adjust it as training goes.
+  """
+  if all(callable(getattr(x, m, None)) for m in ("scale", "unscale", "adjust")):
+    return
+  if isinstance(x, (int, float, np.generic)) and not isinstance(x, bool):
+    hint = (f" To scale by this number, pass StaticLossScale({x!r}), or "
+            f"DynamicLossScale({x!r}) to adjust it as training goes.")
+  elif getattr(x, "dtype", None) is not None and np.ndim(x) == 0:
+    hint = (" To scale by this number, wrap it: StaticLossScale(x), or "
+            "DynamicLossScale(x) to adjust it as training goes.")
+  else:
+    hint = (" Was the loss scale left out? It comes before the other "
+            "arguments; pass NoOpLossScale() for no scaling.")
+  raise TypeError(
+      f"{who}: loss_scale must be a loss scale (mpolicy.NoOpLossScale(), "
+      "StaticLossScale(value) or DynamicLossScale(value)), got "
+      f"{arguments.describe(x)}; call it as {call}.{hint}")
 
 
 def all_finite(tree: Any) -> jax.Array:

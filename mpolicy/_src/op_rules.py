@@ -44,6 +44,7 @@ from mpolicy._src import rules as _families  # pylint: disable=unused-import  (r
 from mpolicy._src.rules import custom
 from mpolicy._src.rules import facts as facts_lib
 from mpolicy._src.rules import fp8_placement
+from mpolicy._src.rules import kernels
 
 LOWER = facts_lib.LOWER
 FULL = facts_lib.FULL
@@ -289,8 +290,15 @@ class OpRules:
     >>> rules.rule_of("exp") is exp_in_bf16, rules.class_of("exp")
     (True, None)
 
+    A Pallas kernel takes a rule by its name, ``"pallas_call:<kernel>"``
+    (its ``pallas_call(..., name=)``, else its kernel function's name);
+    ``"pallas_call"`` gives every kernel without one of its own a rule.
+    Without a rule, a kernel runs as written on operands in its traced
+    dtypes.
+
     Args:
-      name: the primitive's name (`Primitive.name`, e.g. ``"exp"``).
+      name: the primitive's name (`Primitive.name`, e.g. ``"exp"``), or
+        ``"pallas_call:<kernel>"``.
       fn: the rule function.
       strict: if ``True`` (the default), an unknown primitive name raises
         ``ValueError`` listing close matches; ``False`` accepts any name.
@@ -315,8 +323,16 @@ class OpRules:
           f"OpRules.with_rule({name!r}, ...): {name!r} is a higher-order "
           f"primitive (it carries sub-jaxprs the interpreter enters); custom "
           f"rules are for first-order primitives such as 'exp' or "
-          f"'dot_general'")
-    _check_known((name,), "OpRules.with_rule(name=...)", self._known(), strict)
+          f"'dot_general', kernels ('pallas_call', 'pallas_call:<kernel>') "
+          f"and primitives mpolicy refuses")
+    base, colon, kernel = name.partition(":")
+    if colon and (base not in kernels.NAMED or not kernel):
+      raise ValueError(
+          f"OpRules.with_rule({name!r}, ...): a name with ':' gives one "
+          f"kernel a rule, as 'pallas_call:<kernel>' (the kernel's "
+          f"pallas_call name=, else its kernel function's name); "
+          f"{'it names no kernel' if base in kernels.NAMED else repr(base) + ' takes no kernel name'}")
+    _check_known((base,), "OpRules.with_rule(name=...)", self._known(), strict)
     table = {n: e for n, e in self._table.items() if n != name}
     return OpRules(table, dict(self._rules, **{name: fn}), self._fp8)
 

@@ -285,6 +285,35 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
 
+def require_x64(policy: Policy, where: str) -> None:
+  """Raises a `ValueError` if ``policy`` names float64 while x64 is off.
+
+  JAX would compute and return float32 where the policy says float64, with
+  only a truncation warning; the policy is refused where it is applied, as
+  the function is traced. `get_policy` itself parses `f64` either way.
+
+  Args:
+    policy: the policy about to govern a computation.
+    where: what applies it, e.g. ``"amp(policy=...)"``.
+
+  >>> import jax
+  >>> with jax.enable_x64(False):
+  ...   require_x64(get_policy("p=f32,c=f64"), "amp(policy=...)")
+  Traceback (most recent call last):
+  ...
+  ValueError: amp(policy=...): the policy p=f32,c=f64,o=f64 asks for float64, but jax_enable_x64 is off, so JAX would compute and return float32. Turn float64 on at the start of the program, jax.config.update("jax_enable_x64", True) (or JAX_ENABLE_X64=1), or use a policy without f64, such as "full".
+  """
+  named = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+  if (all(np.dtype(d) != np.float64 for d in named)
+      or jax.dtypes.canonicalize_dtype(np.float64) == np.float64):
+    return
+  raise ValueError(
+      f"{where}: the policy {policy} asks for float64, but jax_enable_x64 is "
+      "off, so JAX would compute and return float32. Turn float64 on at the "
+      'start of the program, jax.config.update("jax_enable_x64", True) (or '
+      'JAX_ENABLE_X64=1), or use a policy without f64, such as "full".')
+
+
 def half_dtype() -> Any:
   """The half precision dtype for the default backend.
 

@@ -93,6 +93,26 @@ def region_of_marker(name: str) -> Optional[Region]:
     return _region_of.get(name)
 
 
+def in_full_precision(names: tuple[str, ...]) -> bool:
+  """Whether scope ``names`` lie inside a region where nothing decides.
+
+  That is a `full_precision()` block, or any other region marked
+  ``full_precision`` (such as the one `explain` traces a function that is
+  not amp-ed under): module bridges leave the calls inside as written.
+
+  >>> in_full_precision(("encoder", marker_for(FULL_PRECISION), "mlp"))
+  True
+  >>> in_full_precision(("encoder",))
+  False
+  """
+  for name in names:
+    if name.startswith(MARKER_PREFIX):
+      region = region_of_marker(name)
+      if region is not None and region.full_precision:
+        return True
+  return False
+
+
 @contextlib.contextmanager
 def tagged(region: Region) -> Iterator[None]:
   """A context manager: traces its body under the marker of ``region``."""

@@ -1,7 +1,8 @@
 """The policy registry: a table from keys to policies, and name matching.
 
-Keys are Haiku module classes or name patterns (`fnmatch` globs over full
-Haiku module names, or over `jax.named_scope` paths in plain JAX code).
+Keys are module classes of a framework with a method hook (Haiku, Flax
+linen: see `frameworks`) or name patterns (`fnmatch` globs over full
+module names, or over `jax.named_scope` paths in plain JAX code).
 `set_policy` writes a process-global table; `push_policy` overlays it for
 the current thread only, so several threads may trace under different
 pushes at once. Classes are keyed by module and qualified name, so a policy
@@ -11,12 +12,12 @@ The registry's state is part of every `jax.jit` cache key: a function
 compiled under one state is retraced, never reused, under another (a
 `set_policy` after the first call, or another thread's push).
 
-This module has no Haiku dependency: it never imports Haiku, so the
+This module imports no framework: class keys are checked against the
+framework records, which look the root classes up in `sys.modules` (if a
+framework is not imported, no class can subclass its root), so the
 interpreter, which resolves named scopes through `region_for_scopes`, runs
-without it. Class keys are checked against ``haiku.Module`` only if Haiku
-is already imported (if it is not, no class can subclass it). Looking a
-module class up along its MRO, the ``hk.Module`` default and
-`explain_policy` live in `haiku_registry`, beside the Haiku bridge.
+without any. Which entry governs a module call (the MRO walk, the root
+class's default) and `explain_policy` live in `class_lookup`.
 
 For code under named scopes, the most specific pattern matching the scope
 path (most `/`-components, then fewest wildcards, then the longest
@@ -29,12 +30,12 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import fnmatch
-import sys
 import threading
 from typing import Any, Optional, Union
 
 import jax
 
+from mpolicy._src import frameworks
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 
@@ -42,46 +43,6 @@ Key = Union[type, str]
 PolicyLike = Any  # A Policy, a jmp.Policy or a spec string.
 
 _WILDCARDS = "*?["
-
-
-def _is_haiku_module_class(cls: type) -> bool:
-  """Whether ``cls`` subclasses ``haiku.Module``, without importing Haiku.
-
-  If Haiku has not been imported, no class can subclass its ``Module``, so
-  the answer is ``False`` and nothing is imported to find that out.
-  """
-  haiku = sys.modules.get("haiku")
-  module_base = getattr(haiku, "Module", None)
-  return isinstance(module_base, type) and issubclass(cls, module_base)
-
-
-def _is_linen_module_class(cls: type) -> bool:
-  """Whether ``cls`` subclasses ``flax.linen.Module``, without importing Flax.
-
-  As for Haiku: if ``flax.linen`` has not been imported, no class can
-  subclass its ``Module``.
-  """
-  linen = sys.modules.get("flax.linen")
-  module_base = getattr(linen, "Module", None)
-  return isinstance(module_base, type) and issubclass(cls, module_base)
-
-
-def root_class(cls: type) -> Optional[type]:
-  """The base module class of ``cls``'s framework, or ``None``.
-
-  Returns:
-    ``haiku.Module`` for a Haiku module class, ``flax.linen.Module`` for a
-    linen one (looked up in `sys.modules`, so nothing is imported), else
-    ``None``.
-
-  >>> root_class(dict) is None
-  True
-  """
-  for framework in ("haiku", "flax.linen"):
-    base = getattr(sys.modules.get(framework), "Module", None)
-    if isinstance(base, type) and issubclass(cls, base):
-      return base
-  return None
 
 
 def _check_key(key: Any) -> Key:
@@ -97,16 +58,26 @@ def _check_key(key: Any) -> Key:
           "spaces; module names never do. Use "
           f"{key.strip()!r}.")
     return key
-  if isinstance(key, type) and (_is_haiku_module_class(key)
-                                or _is_linen_module_class(key)):
-    return key
+  if isinstance(key, type):
+    framework = frameworks.framework_of(key)
+    if framework is not None and framework.class_policies:
+      return key
+    if framework is not None:
+      raise TypeError(
+          f"set_policy: {framework.name} module classes "
+          f"({framework.alias}.Module and its subclasses) cannot key the "
+          f"registry; got {key_name(key)}. {framework.name} has no method hook "
+          "that could apply a class policy. Give the layer's call a "
+          "jax.named_scope and set a policy on a name pattern over the "
+          "scope path instead (e.g. set_policy('*/attention', ...)).")
+  accepted = ", ".join(
+      f"a {f.name} module class (e.g. {f.alias}.BatchNorm, or "
+      f"{f.alias}.Module for everything)"
+      for f in frameworks.WITH_CLASS_POLICIES)
   raise TypeError(
-      "set_policy: the key must be a Haiku module class (e.g. hk.BatchNorm, "
-      "or hk.Module for everything), a Flax linen module class (e.g. "
-      "nn.BatchNorm, or nn.Module for everything) or a non-empty name "
-      "pattern string "
-      f"(e.g. 'encoder/~/mlp', '*/attention'); got {key!r} of type "
-      f"{type(key).__name__}.")
+      f"set_policy: the key must be {accepted} or a non-empty name "
+      "pattern string (e.g. 'encoder/~/mlp', '*/attention'); got "
+      f"{key!r} of type {type(key).__name__}.")
 
 
 def _check_policy(policy: PolicyLike) -> policy_lib.Policy:
@@ -126,10 +97,9 @@ def key_name(key: Key) -> str:
     key: a name pattern or a class.
 
   Returns:
-    ``repr`` of a pattern; ``hk.`` and the qualified name for a class from
-    the ``haiku`` package, ``nn.`` and the qualified name for one from
-    ``flax.linen`` (read off ``__module__``, so nothing is imported); the
-    module and qualified name for any other class.
+    ``repr`` of a pattern; a class as its framework's users write it
+    (``hk.Linear``, ``nn.Dense``; see `frameworks.class_name`), or with its
+    module and qualified name if it belongs to no framework.
 
   >>> key_name("enc*")
   "'enc*'"
@@ -138,12 +108,7 @@ def key_name(key: Key) -> str:
   """
   if isinstance(key, str):
     return repr(key)
-  module = key.__module__
-  if module == "haiku" or module.startswith("haiku."):
-    return f"hk.{key.__qualname__}"
-  if module == "flax.linen" or module.startswith("flax.linen."):
-    return f"nn.{key.__qualname__}"
-  return f"{module}.{key.__qualname__}"
+  return frameworks.class_name(key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +480,9 @@ def region_for_scopes(names: tuple[str, ...],
       scope = "/".join(path)
       patterns = matching_patterns(scope, table)
       if patterns:
+        policy_lib.require_x64(table[patterns[0]],
+                               f"named scope {scope!r} (pattern "
+                               f"{patterns[0]!r})")
         region = regions.Region(policy=table[patterns[0]],
                                 decided_by=f"pattern {patterns[0]!r}",
                                 module_name=scope, inherited=True)

@@ -34,11 +34,14 @@ import jax
 
 from mpolicy._src import jax_compat
 
-# Primitives bound plainly: those with effects or named (mesh) axes, and
-# those that place or shard values.
+# Primitives bound plainly: those with effects or named (mesh) axes, those
+# that place or shard values, and those that make or touch mutable
+# references (a jit may not return one).
 _PLAIN = frozenset({"device_put", "sharding_constraint", "mesh_cast",
                     "reshard", "pvary", "pcast", "axis_index",
-                    "random_seed", "random_wrap", "random_unwrap"})
+                    "random_seed", "random_wrap", "random_unwrap",
+                    "new_ref", "empty_ref", "get", "swap", "addupdate",
+                    "freeze"})
 
 
 def bind(primitive, *args, **params) -> Any:

@@ -9,8 +9,11 @@ custom_vjp) over two (4, 4) inputs. Two properties are checked:
 * under the policy ``full``, `amp(f)` is bitwise ``f`` under `jit`, `grad`
   and `jvp`;
 * under ``bf16`` and ``f16`` compute policies, `amp(f)` under `jit`, `grad`,
-  `vmap`, `jvp` and `jacfwd` stays within a bounded error of ``f`` in
-  float32 and makes no NaN or inf where ``f`` is finite.
+  `vmap`, `jvp` and `jacfwd` stays within a relative error of ``f`` in
+  float32 (norm-wise, in units of the compute dtype's unit roundoff, and
+  against float32's own error where that is larger: see
+  `fuzz_programs._TOLERANCE`) and makes no NaN or inf where ``f`` is
+  finite.
 
 The generator tracks a bound on every value's magnitude and only picks an
 operation whose result stays within ``_LIMIT`` (so float16 cannot overflow
@@ -48,11 +51,14 @@ from fuzz_programs import (
     _CALLBACK_OPS,
     _COMBINER_OPS,
     _describe,
+    _diff,
     _err,
+    _F32_U,
     _first_order,
     _HIGHER_ORDER,
     _inputs,
     _loss,
+    _norm,
     _POLICIES,
     _program,
     _programs,
@@ -80,6 +86,21 @@ def test_programs_are_reproducible_and_varied():
   assert str(_program(5)) == str(_program(5))
   ops = {s.op for seed in range(40) for s in _program(seed).steps}
   assert set(_HIGHER_ORDER) <= ops and {"dot", "exp", "select"} <= ops
+
+
+def test_error_is_relative_so_a_wrong_small_output_fails():
+  want = np.full(4, 0.01, np.float32)
+  # 50% off: an absolute tolerance of 0.1 would let it through.
+  assert _err(1.5 * want, want) == pytest.approx(0.5)
+  assert _err(1.5 * want, want) > max(_TOLERANCE.values())
+  assert _err(1.5e3 * want, 1e3 * want) == pytest.approx(0.5)  # Scale-free.
+  assert _err(want, want) == 0.0
+  zeros = np.zeros(3, np.float32)
+  assert _err(zeros, zeros) == 0.0 and _err(zeros + 1e-30, zeros) == np.inf
+  # Over all arrays at once; float32's own error scale only where larger.
+  assert _err((1.5 * want, want), (want, want)) == pytest.approx(0.5 / 2 ** .5)
+  assert _err(1.5 * want, want, scale=1e-9) == pytest.approx(0.5)
+  assert _err(want + 1e-3, want, scale=1.0) == pytest.approx(2e-3)
 
 
 @pytest.mark.parametrize("seed", _seeds(_SHORT))
@@ -172,16 +193,25 @@ def check_x64_mix(seed: int) -> None:
           assert "float64" in row.ran_in, _describe(
               seed, program, f"{row.primitive} on {row.in_dtypes} ran in "
               f"{row.ran_in}")
+      x64, w64 = x.astype(jnp.float64), w.astype(jnp.float64)
       got, want = jax.jit(amped)(x, w), jax.jit(f)(x, w)
       assert got.dtype == want.dtype == jnp.float32
-      assert _err(got, want) <= _TOLERANCE[policy], _describe(
-          seed, program, f"x64 {policy}: error {_err(got, want):.4f}")
-      grad = lambda fn: jax.jit(jax.grad(_loss(fn, r), argnums=(0, 1)))(x, w)
-      for a, b in zip(grad(amped), grad(f)):
+      # Measured as `half_errors` does: against float32's own error too.
+      scale = _norm(_diff(want, jax.jit(f)(x64, w64))) / _F32_U
+      err = _err(got, want, scale)
+      assert err <= _TOLERANCE[policy], _describe(
+          seed, program, f"x64 {policy}: relative error {err:.3g}")
+      grad = lambda fn, *a: jax.jit(jax.grad(_loss(fn, r.astype(a[0].dtype)),
+                                             argnums=(0, 1)))(*a)
+      want_g = grad(f, x, w)
+      scale = _norm(_diff(want_g, grad(f, x64, w64))) / _F32_U
+      got_g = grad(amped, x, w)
+      for a, b in zip(got_g, want_g):
         assert a.dtype == b.dtype == jnp.float32
-        assert np.all(np.isfinite(a)) and _err(a, b) <= _TOLERANCE[policy], (
-            _describe(seed, program, f"x64 {policy} grad: error "
-                      f"{_err(a, b):.4f}"))
+        assert np.all(np.isfinite(a)), _describe(seed, program, "x64 grad")
+      err = _err(got_g, want_g, scale)
+      assert err <= _TOLERANCE[policy], _describe(
+          seed, program, f"x64 {policy} grad: relative error {err:.3g}")
       assert same_bits(jax.jit(mpolicy.amp(f, "full"))(x, w), want)
 
 

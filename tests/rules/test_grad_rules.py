@@ -63,8 +63,10 @@ def lowered_text(fn, *args, platform):
 
 
 # StableHLO assertions name the lowering they check, so they hold on any
-# machine: every lowering multiplies half by half; the CPU one asks for a
-# float32 result (on GPUs the half matrix units accumulate in float32).
+# machine (a CUDA lowering needs no GPU): every lowering multiplies half by
+# half; the CPU one asks for a float32 result, the CUDA one for the half
+# result (its matrix units accumulate in float32 themselves), except for a
+# float32 argument's gradient, handed over in float32.
 LOWERINGS = pytest.mark.parametrize("platform", ["cpu", "cuda"])
 
 
@@ -74,11 +76,16 @@ def test_backward_matmuls_accumulate_in_f32_in_hlo(platform):
                      platform=platform)
   dots = [line for line in hlo.splitlines() if "dot_general" in line]
   assert len(dots) == 6
+  argument_shapes = {"x".join(map(str, a.shape)) for a in (X, W, V)}
   for line in dots:
     operands = re.findall(r"tensor<[^>]*>", line.split("->")[0].split(":")[-1])
     assert operands and all("bf16" in t for t in operands), line
-    if platform == "cpu":
-      assert "f32" in line.split("->")[-1], line
+    shape, dtype = re.search(r"tensor<([\dx]+)x(\w+)>$",
+                             line.split("->")[-1].strip()).groups()
+    if platform == "cpu" or shape in argument_shapes:
+      assert dtype == "f32", line
+    else:
+      assert dtype == "bf16", line
 
 
 def test_gradient_values_and_dtypes():
@@ -234,11 +241,15 @@ def test_backward_convs_accumulate_in_f32_in_hlo(groups, platform):
                     line)
     assert sig, line
     assert "bf16" in sig.group(1) and "bf16" in sig.group(2), line
-    if platform == "cpu":
-      assert "f32" in sig.group(3), line
-  if platform != jax.default_backend().replace("gpu", "cuda"):
-    return  # Compiling needs the lowering for this machine's backend.
-  lowered = jax.jit(fn).lower(IMG, K1, k2)
+    # cuDNN has no half-in, float32-out convolution: half results on CUDA.
+    assert ("xf32>" if platform == "cpu" else "xbf16>") in sig.group(3), line
+
+
+@GROUPS
+def test_compiled_backward_convs_multiply_operands_of_one_dtype(groups):
+  # Compiled for this machine's backend, whichever it is.
+  k2 = conv_kernel2(groups)
+  lowered = jax.jit(conv_grad(amp(convnet, HALF))).lower(IMG, K1, k2)
   # After XLA's passes no convolution multiplies operands of two dtypes.
   # XLA:CPU runs bf16 convolutions in f32 (it converts both operands, as it
   # would for the old f32 x bf16 ones); GPUs keep them bf16.
@@ -250,10 +261,9 @@ def test_backward_convs_accumulate_in_f32_in_hlo(groups, platform):
     if call:
       operand_types.append({types[n.strip()] for n in call.group(1).split(",")})
   assert len(operand_types) == 6
+  expected = {"cpu": {"f32"}, "gpu": {"bf16"}}.get(jax.default_backend())
   for found in operand_types:
-    assert len(found) == 1, compiled
-    if jax.default_backend() == "gpu":
-      assert found == {"bf16"}, compiled
+    assert len(found) == 1 and found == (expected or found), compiled
 
 
 @GROUPS

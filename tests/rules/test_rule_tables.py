@@ -1,6 +1,9 @@
 """Per-primitive facts keyed by primitive object, and the class rules."""
 
 import dataclasses
+import importlib
+import pkgutil
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules
 from mpolicy._src import recording
+from mpolicy._src import rules as rules_pkg
+from mpolicy._src.jax_compat import internals as jax_internals
 from mpolicy._src.rules import base
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import facts
@@ -221,3 +226,37 @@ def test_ragged_dot_general_accumulates_in_float32():
   for got, ref in zip(grads, want_grads):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.3)
+
+
+# --- Every primitive name registered exists -------------------------------------
+
+
+def _installed_jax() -> tuple[int, ...]:
+  return tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+
+
+def _defined_here(first, stop) -> bool:
+  return ((first is None or _installed_jax() >= first)
+          and (stop is None or _installed_jax() < stop))
+
+
+def test_every_primitive_name_looked_up_exists_in_the_installed_jax():
+  for info in pkgutil.iter_modules(rules_pkg.__path__):
+    importlib.import_module(f"{rules_pkg.__name__}.{info.name}")
+  # Names only some JAX versions define are listed, with those versions;
+  # everything else that a registration or lookup names must exist.
+  listed = jax_compat.VERSION_SPECIFIC_PRIMITIVES
+  expected = {name for name, (first, stop) in listed.items()
+              if not _defined_here(first, stop)}
+  assert jax_compat.absent_primitive_names() == expected, (
+      "registered primitive names this JAX does not define (misspelt, "
+      "removed, or missing from VERSION_SPECIFIC_PRIMITIVES): "
+      f"{sorted(jax_compat.absent_primitive_names() - expected)}")
+  assert "copy" in jax_compat.primitive_names()  # copy_p is named "copy".
+
+
+def test_a_name_jax_does_not_define_is_recorded_not_skipped(monkeypatch):
+  monkeypatch.setattr(jax_internals, "_absent", set())
+  monkeypatch.setattr(facts, "_FACTS", dict(facts._FACTS))  # pylint: disable=protected-access
+  facts.register(("exp", "expand_dims"), keeps_param=True)
+  assert jax_compat.absent_primitive_names() == {"expand_dims"}

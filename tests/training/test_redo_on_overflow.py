@@ -269,13 +269,12 @@ print("FACTS=" + json.dumps(facts))
 
 def test_pmap_and_shard_map_devices_retry_together(eight_devices):
   facts = eight_devices
-  # pmap: device 5's own float16 gradient 4 * scale fits from 2**13 on; the
-  # per-device gradients are then averaged: (7 * 1 + 4) / 8.
-  # shard_map: AD sums the replicated param's gradient over the devices in
-  # float16, 11 * scale, which fits only from 2**12 on (3 retries); the
-  # helper then divides that sum by the device count, so both average.
+  # Device 5's own float16 gradient 4 * scale fits from 2**13 on (2
+  # retries); the per-device gradients are then unscaled and averaged in
+  # float32: (7 * 1 + 4) / 8. Under shard_map too: a float16 sum of the
+  # scaled gradients (JAX's own, 11 * scale) would fit only from 2**12 on.
   for name, scale, grad in (("pmap", 2. ** 13, 11. / 8),
-                            ("shard_map", 2. ** 12, 11. / 8)):
+                            ("shard_map", 2. ** 13, 11. / 8)):
     got = facts[name]
     assert got["finite"] == [True] * 8, name
     assert got["scale"] == [scale] * 8, name

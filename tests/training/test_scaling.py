@@ -46,6 +46,34 @@ def test_grads_come_back_in_each_params_dtype_or_grad_dtype():
   assert _dtypes(grads) == {"h": jnp.float32, "f": jnp.float32}
 
 
+@pytest.mark.parametrize("dtype, fitting_scale", [
+    (jnp.float8_e4m3fn, 2. ** 4), (jnp.float8_e5m2, 2. ** 11)])
+def test_float8_params_get_float8_grads_and_overflow_backs_off(dtype,
+                                                               fitting_scale):
+  params = {"f8": jnp.array([1., 2., 3.], dtype), "f32": jnp.ones(3)}
+  # d/d f8 = 0.375 * f32 (exact in float8); d/d f32 = 0.375 * f8.
+  loss_fn = lambda p, c: c * jnp.sum(p["f8"].astype(jnp.float32) * p["f32"])
+  grad_fn = jax.jit(mpolicy.scaled_value_and_grad(loss_fn, max_retries=12))
+  ls, finite, loss, grads = grad_fn(DynamicLossScale(2. ** 6), params,
+                                    jnp.float32(0.375))
+  assert bool(finite) and float(loss) == 0.375 * 6
+  assert _dtypes(grads) == {"f8": dtype, "f32": jnp.float32}
+  assert jnp.asarray(grads["f8"], jnp.float32).tolist() == [0.375] * 3
+  assert grads["f32"].tolist() == [0.375, 0.75, 1.125]
+  assert float(ls.loss_scale) == 2. ** 6
+  # A scaled float8 gradient past its largest value (448 / 57344) is not
+  # finite, never saturated: the retries back off until 16 times the scale
+  # fits.
+  ls, finite, _, grads = grad_fn(DynamicLossScale(2. ** 15), params,
+                                 jnp.float32(16.))
+  assert bool(finite) and grads["f8"].dtype == dtype
+  assert jnp.asarray(grads["f8"], jnp.float32).tolist() == [16.] * 3
+  assert float(ls.loss_scale) == fitting_scale
+  _, finite, _, grads = jax.jit(mpolicy.scaled_value_and_grad(loss_fn))(
+      DynamicLossScale(2. ** 15), params, jnp.float32(16.))
+  assert not bool(finite)
+
+
 def test_argnums_and_has_aux_follow_value_and_grad():
   def loss_fn(a, b, c):
     return jnp.sum(a * b * c), {"n": 3}
@@ -55,6 +83,16 @@ def test_argnums_and_has_aux_follow_value_and_grad():
   _, finite, (loss, aux), (ga, gc) = grad_fn(DynamicLossScale(4.), a, b, c)
   assert bool(finite) and float(loss) == 12. and aux == {"n": 3}
   assert ga.tolist() == [6., 6.] and gc.tolist() == [2., 2.]
+
+
+def test_negative_argnums_count_from_the_last_argument_not_the_loss_scale():
+  loss_fn = lambda a, b: jnp.sum(a * b)
+  a, b = jnp.ones(2), jnp.full(2, 3.)
+  for argnums, want in ((-1, [1., 1.]), ((-2, -1), ([3., 3.], [1., 1.]))):
+    *_, grads = mpolicy.scaled_value_and_grad(loss_fn, argnums=argnums)(
+        DynamicLossScale(4.), a, b)
+    assert jax.tree_util.tree_map(lambda g: g.tolist(), grads) == (
+        want if isinstance(argnums, int) else tuple(want))
 
 
 def test_overflowing_float16_backward_is_flagged_and_scale_backs_off():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import mpolicy
 
@@ -94,6 +95,102 @@ def test_for_accumulation_optax_multisteps_drops_a_bad_mini_batch():
   assert same_bits(bad_state.inner_opt_state, state.inner_opt_state)
   assert same_bits(bad_state.acc_grads, state.acc_grads)
   assert int(bad_state.mini_step) == int(state.mini_step) == 1
+
+
+def test_a_flag_that_says_finite_does_not_let_a_nan_update_through():
+  # E.g. the last mini-batch's flag while the updates are an accumulated sum.
+  tx = mpolicy.skip_nonfinite(optax.sgd(1.))
+  params = {"w": jnp.ones(2)}
+  updates, state = tx.update({"w": jnp.array([jnp.nan, 1.])}, tx.init(params),
+                             params, grads_finite=jnp.bool_(True))
+  assert same_bits(optax.apply_updates(params, updates), params)
+  assert int(state.total_notfinite) == 1 and not bool(state.last_finite)
+
+
+# --- Gradient accumulation: skip_nonfinite(optax.MultiSteps(tx, k)) -----------
+
+NAN = jnp.array([jnp.nan, 1.])
+
+
+def _accumulate(tx, grads, flags, params):
+  """Feeds mini-batches with their flags; params and state after each."""
+  state = tx.init(params)
+  seen = []
+  for g, finite in zip(grads, flags):
+    updates, state = tx.update({"w": g}, state, params,
+                               grads_finite=jnp.bool_(finite))
+    params = optax.apply_updates(params, updates)
+    seen.append((params, state))
+  return seen
+
+
+def test_multisteps_inside_skip_drops_a_bad_mini_batch_and_keeps_state():
+  tx = mpolicy.skip_nonfinite(optax.MultiSteps(optax.sgd(0.5), 3))
+  p0 = {"w": jnp.array([1., 2.])}
+  grads = [jnp.ones(2), NAN, jnp.full(2, 2.), jnp.full(2, 6.)]
+  seen = _accumulate(tx, grads, [True, False, True, True], p0)
+  (p1, s1), (p2, s2), (p3, _), (p4, s4) = seen
+  # The bad mini-batch: MultiSteps' accumulator, mini-step and inner state
+  # and the params come back bit for bit; only the skip's counters move.
+  assert same_bits(s2.inner_state, s1.inner_state)
+  assert int(s2.inner_state.mini_step) == 1
+  assert same_bits(p2, p1) and same_bits(p1, p0) and same_bits(p3, p0)
+  assert int(s2.total_notfinite) == 1 and int(s4.notfinite_count) == 0
+  # The window closes after 3 finite mini-batches: sgd on their mean.
+  np.testing.assert_array_equal(p4["w"], p0["w"] - 0.5 * (1. + 2. + 6.) / 3)
+  assert int(s4.inner_state.mini_step) == 0
+  assert int(s4.inner_state.gradient_step) == 1
+
+
+def test_multisteps_params_never_nan_whatever_mini_batch_is_bad():
+  # k=2, a bad mini-batch at every position of a window, finite values
+  # elsewhere; one update per two finite mini-batches, by hand.
+  tx = mpolicy.skip_nonfinite(optax.MultiSteps(optax.sgd(1.), 2))
+  p0 = {"w": jnp.zeros(2)}
+  grads = [NAN, jnp.ones(2), jnp.array([jnp.inf, 0.]), jnp.full(2, 3.),
+           jnp.full(2, 5.), NAN, jnp.full(2, 7.)]
+  flags = [False, True, False, True, True, False, True]
+  want = [0., 0., 0., -2., -2., -2., -8.]
+  for (params, _), w in zip(_accumulate(tx, grads, flags, p0), want):
+    np.testing.assert_array_equal(params["w"], [w, w])
+
+
+def test_skip_inside_multisteps_is_refused_with_the_composition_to_use():
+  tx = optax.MultiSteps(mpolicy.skip_nonfinite(optax.sgd(1.)), 2)
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"skip_nonfinite inside optax.MultiSteps"
+                     r".*0 \* NaN is NaN.*Put the skip outside: "
+                     r"skip_nonfinite\(optax.MultiSteps\(tx, k\)\)"):
+    jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+def test_skip_inside_a_multisteps_that_drops_bad_mini_batches_is_allowed():
+  tx = optax.MultiSteps(mpolicy.skip_nonfinite(optax.sgd(1.)), 2,
+                        should_skip_update_fn=optax.skip_not_finite)
+  seen = _accumulate(tx, [jnp.ones(2), NAN, jnp.full(2, 3.)],
+                     [True, False, True], {"w": jnp.zeros(2)})
+  np.testing.assert_array_equal(seen[-1][0]["w"], [-2., -2.])
+
+
+def test_the_loss_scale_advances_once_per_mini_batch_in_the_optax_recipe():
+  # The documented recipe: one scaled_value_and_grad per mini-batch, so the
+  # loss scale's period counts mini-batches and it backs off on the bad one.
+  loss_fn = lambda p, x: jnp.sum(p["w"] * x)
+  grad_fn = mpolicy.scaled_value_and_grad(loss_fn)
+  tx = mpolicy.skip_nonfinite(optax.MultiSteps(optax.sgd(1.), 2))
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  loss_scale = DynamicLossScale(jnp.float32(2. ** 10), period=2)
+  scales = []
+  for x in [jnp.ones(2), jnp.full(2, jnp.inf), jnp.ones(2), jnp.ones(2),
+            jnp.ones(2)]:
+    loss_scale, finite, _, grads = grad_fn(loss_scale, params, x)
+    updates, state = tx.update(grads, state, params, grads_finite=finite)
+    params = optax.apply_updates(params, updates)
+    scales.append(float(loss_scale.loss_scale))
+  assert scales == [2. ** 10, 2. ** 9, 2. ** 9, 2. ** 10, 2. ** 10]
+  assert int(state.inner_state.gradient_step) == 2  # Two optimizer steps.
+  np.testing.assert_array_equal(params["w"], [-2., -2.])
 
 
 def test_update_if_finite_keeps_everything_on_a_bad_step():

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpolicy
@@ -98,13 +99,38 @@ def test_float16_below_the_smallest_subnormal_rounds_up_in_proportion():
       -float(out.mean()) / tiny)
 
 
-def test_float16_beyond_its_range_rounds_as_nearest_would():
-  x = jnp.array([65519.0, 65520.0, 1e5, -1e5, 65504.0], jnp.float32)
-  for i in range(20):
-    out = mpolicy.stochastic_round(x, jnp.float16, jax.random.PRNGKey(i))
-    np.testing.assert_array_equal(
-        np.asarray(out.astype(jnp.float32)),
-        [65504.0, np.inf, np.inf, -np.inf, 65504.0])
+def _f32(bits):
+  return float(jax.lax.bitcast_convert_type(jnp.uint32(bits), jnp.float32))
+
+
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # 0x7F7F0000 as float32.
+TOP = {  # Finite float32 values beyond each dtype's largest finite value.
+    jnp.bfloat16: [_f32(0x7F7F0001), _f32(0x7F7F8000), _f32(0x7F7FFFFF),
+                   -_f32(0x7F7FC000)],
+    jnp.float16: [65505.0, 65519.0, 65520.0, 1e5, -1e5, 3e38],
+}
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_finite_values_beyond_the_range_saturate_never_inf(dtype):
+  largest = float(jnp.finfo(dtype).max)
+  x = jnp.repeat(jnp.array(TOP[dtype], jnp.float32), 1000)
+  want = np.repeat(np.sign(TOP[dtype]) * largest, 1000)
+  for i in range(5):
+    out = mpolicy.stochastic_round(x, dtype, jax.random.PRNGKey(i))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+  # Round-to-nearest overflows there (from 65520, from 0x7F7F8000).
+  assert np.isinf(np.asarray(x.astype(dtype).astype(jnp.float32))).any()
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_just_below_the_largest_value_still_rounds_both_ways(dtype):
+  largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
+  below = jnp.nextafter(largest, jnp.asarray(0, dtype)).astype(jnp.float32)
+  x = jnp.full(DRAWS, below + (largest.astype(jnp.float32) - below) / 2)
+  out = mpolicy.stochastic_round(x, dtype, KEY).astype(jnp.float32)
+  assert set(np.unique(np.asarray(out))) == {float(below), float(largest)}
+  assert abs(float(jnp.mean(out == largest.astype(jnp.float32))) - 0.5) < 0.01
 
 
 def test_same_key_same_bits_and_new_key_new_bits():
@@ -147,3 +173,21 @@ def test_bad_dtype_names_the_accepted_ones():
 def test_integer_input_is_rejected_with_what_is_accepted():
   with pytest.raises(TypeError, match="float32 array .* got int32"):
     mpolicy.stochastic_round(jnp.ones(2, jnp.int32), jnp.bfloat16, KEY)
+
+
+def test_vary_over_an_unbound_axis_says_where_to_call_it():
+  with pytest.raises(ValueError, match=r"vary_over names \['d'\], which no "
+                     r"enclosing shard_map or pmap binds"):
+    mpolicy.stochastic_round(jnp.ones(2), jnp.bfloat16, KEY, vary_over="d")
+
+
+def test_vary_over_must_be_axis_names():
+  with pytest.raises(TypeError, match="stochastic_params: vary_over must be "
+                     "a mesh axis name or a tuple of them"):
+    mpolicy.stochastic_params(optax.sgd(1.), vary_over=[["d"]])
+
+
+def test_vary_over_with_nearest_rounding_says_what_to_pass():
+  with pytest.raises(ValueError, match="applies to stochastic rounding only, "
+                     "but rounding='nearest'; pass rounding='stochastic'"):
+    mpolicy.with_state_dtypes(optax.adam(1.), jnp.bfloat16, vary_over="d")

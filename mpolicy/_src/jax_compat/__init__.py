@@ -1,19 +1,39 @@
 """The one door to JAX internals.
 
-* `internals`: the one module that imports JAX's private and extension
-  modules; name stacks, where an equation was written, jaxpr types,
+* `internals`: name stacks, where an equation was written, jaxpr types,
   primitives matched by identity, tracing, defining primitives, devices.
 * `params`: every read of a primitive's params by key, accepting each
   shape the supported JAX versions (0.10.2 to 0.12) use.
+* `processes`: the `jax.distributed` client (a key-value store shared by
+  the processes of a run).
+* `remat`: remat policies seeing mpolicy's primitives as the JAX ones
+  they stand for.
+* `survey`: which of JAX's primitives may carry a sub-computation
+  (reached as ``jax_compat.survey``, for the tests).
+* `hijax`: JAX's next-generation constructs (``jax_scan3``,
+  ``jax_remat3``, ``jax_custom_vjp3``, ``jax_custom_jvp3``), read and
+  rebuilt; reached as ``jax_compat.hijax`` (its names are per construct),
+  and `jaxprs_in_params`, the sub-jaxprs of any equation's params.
 
-Supporting another JAX version means changing this package only. Nothing
-in it knows about policies. Every name is re-exported here: the rest of
-mpolicy imports `jax_compat` and nothing below it.
+`internals`, `processes`, `remat`, `survey` and `hijax` are the modules
+that import JAX's private and extension modules. Supporting another JAX
+version means changing this package only. Nothing in it knows about
+mpolicy's policies. Every name of `internals`, `params`, `processes` and
+`remat` is re-exported here: the rest of mpolicy imports `jax_compat` and
+nothing below it.
 """
 
 from mpolicy._src.jax_compat.internals import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.params import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat.processes import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat.remat import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat import survey
 from mpolicy._src.jax_compat import internals as _internals
 from mpolicy._src.jax_compat import params as _params
+from mpolicy._src.jax_compat import processes as _processes
+from mpolicy._src.jax_compat import remat as _remat
+from mpolicy._src.jax_compat import hijax
+from mpolicy._src.jax_compat.hijax import jaxprs_in_params
 
-__all__ = [*_internals.__all__, *_params.__all__]
+__all__ = [*_internals.__all__, *_params.__all__, *_processes.__all__,
+           *_remat.__all__, "jaxprs_in_params"]

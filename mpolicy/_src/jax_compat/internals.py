@@ -1,4 +1,5 @@
-"""JAX internals: every import of `jax._src` and `jax.extend` in mpolicy.
+"""JAX internals: every import of `jax._src` and `jax.extend` in mpolicy
+but the distributed client's (`processes.py`).
 
 Small, version-independent helpers over name stacks, jaxprs and
 primitives. Nothing here knows about policies.
@@ -33,6 +34,8 @@ from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax_internal
+from jax._src.state import primitives as _state
+from jax._src.state.types import AbstractRef as _AbstractRef
 
 # --- Name stacks ------------------------------------------------------------
 
@@ -203,8 +206,28 @@ def manual_axes_context(mesh, manual: frozenset,
     yield
 
 
+# Primitive names that only some supported JAX versions define: name ->
+# (first version that has it, first version that no longer has it), None
+# for open ends. Every other name mpolicy looks up (here and in the rule
+# registrations) must exist in the installed JAX: a test checks
+# `absent_primitive_names()` against this list, so a misspelt or removed
+# name cannot be skipped silently.
+VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {}
+
+_absent: set[str] = set()
+
+
+def absent_primitive_names() -> frozenset[str]:
+  """The primitive names looked up (by `primitives_named` and at import)
+  that the installed JAX does not define."""
+  return frozenset(_absent)
+
+
 def _optional(module, name):
-  return getattr(module, name, None)
+  found = getattr(module, name, None)
+  if found is None:
+    _absent.add(f"{module.__name__}.{name}")
+  return found
 
 
 broadcast_in_dim_p = jax.lax.broadcast_in_dim_p
@@ -232,8 +255,7 @@ SCALAR_COMBINER_PRIMITIVES = frozenset(
         _optional(jax.lax, "scatter_p"), _optional(jax.lax, "scatter_add_p"),
         _optional(jax.lax, "scatter_sub_p"), _optional(jax.lax, "scatter_mul_p"),
         _optional(jax.lax, "scatter_min_p"), _optional(jax.lax, "scatter_max_p"),
-        _optional(jax.lax, "scatter_apply_p"), _optional(jax.lax, "reduce_p"),
-        _optional(jax.lax, "reduce_window_p"),
+        _optional(jax.lax, "reduce_p"), _optional(jax.lax, "reduce_window_p"),
         _optional(jax.lax, "select_and_scatter_p"),
         _optional(jax.lax, "select_and_gather_add_p"),
     ) if p is not None)
@@ -249,7 +271,45 @@ CALLBACK_PRIMITIVES = frozenset(
     ) if p is not None)
 
 
+# Reads and writes of mutable array references (a scan3 loop's carries).
+ref_get_p = _state.get_p
+ref_swap_p = _state.swap_p
+ref_addupdate_p = _optional(_state, "addupdate_p")
+
+try:  # Pallas kernels (importing the primitive's module costs a few ms).
+  from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
+  pallas_call_p = _pallas_call.pallas_call_p
+except (ImportError, AttributeError):
+  pallas_call_p = None
+
+# Primitives that run code mpolicy does not see into as kernels: host
+# callbacks and Pallas kernels. Their operands arrive in the dtypes they
+# were traced with (an explicit rule each; see `rules.kernels`).
+KERNEL_PRIMITIVES = frozenset(
+    p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
+                _optional(_debugging, "inspect_sharding_p"))
+    if p is not None)
+
+
 _primitives_cache: dict = {}
+
+
+def loaded_primitives(packages) -> list:
+  """The `Primitive` objects at the top level of the loaded modules of
+  ``packages`` (each package's own module and its submodules)."""
+  found = {}
+  for module_name, module in list(sys.modules.items()):
+    if module is None or not any(module_name == p or
+                                 module_name.startswith(p + ".")
+                                 for p in packages):
+      continue
+    try:
+      values = list(vars(module).values())
+    except TypeError:
+      continue
+    found.update((id(v), v) for v in values
+                 if isinstance(v, jex_core.Primitive))
+  return list(found.values())
 
 
 def _primitives(packages: tuple[str, ...]) -> dict:
@@ -260,17 +320,7 @@ def _primitives(packages: tuple[str, ...]) -> dict:
   if hit is not None:
     return hit
   found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
-  for module_name, module in list(sys.modules.items()):
-    if module is None or not any(module_name == p or
-                                 module_name.startswith(p + ".")
-                                 for p in packages):
-      continue
-    try:
-      values = list(vars(module).values())
-    except TypeError:
-      continue
-    found.update((v.name, v) for v in values
-                 if isinstance(v, jex_core.Primitive))
+  found.update((p.name, p) for p in loaded_primitives(packages))
   _primitives_cache.clear()
   _primitives_cache[key] = found
   return found
@@ -289,19 +339,11 @@ def primitive_names(packages=("jax",)) -> frozenset[str]:
 
 def primitives_named(names) -> list:
   """The `Primitive` objects of JAX's with these names; names the
-  installed JAX does not define are left out."""
+  installed JAX does not define are left out (and recorded: see
+  `absent_primitive_names`)."""
   found = _primitives(("jax",))
+  _absent.update(n for n in names if n not in found)
   return [found[n] for n in names if n in found]
-
-
-def jaxprs_in_params(params) -> list:
-  """The jaxprs (open or closed) found in an equation's params."""
-  found = []
-  for value in params.values():
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
-      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
-        found.append(v)
-  return found
 
 
 def bind(primitive, args, params):
@@ -429,8 +471,22 @@ def dot_general_batch_dim_nums(ndims, batch_dims, dimension_numbers):
 
 
 def with_dtype(aval, dtype, weak_type: bool = False):
-  """``aval`` with another dtype (keeps shape, sharding, vma, ...)."""
+  """``aval`` with another dtype (keeps shape, sharding, vma, ...); a
+  reference's aval (``Ref{f32[3]}``) gets a reference to that dtype."""
+  inner = getattr(aval, "inner_aval", None)
+  if inner is not None:
+    return aval.update(inner_aval=with_dtype(inner, dtype, weak_type))
   return aval.update(dtype=dtype, weak_type=weak_type)
+
+
+def with_sharding(aval, sharding):
+  """``aval`` with another sharding (keeps shape, dtype, vma, ...)."""
+  return aval.update(sharding=sharding)
+
+
+def is_ref(x) -> bool:
+  """Whether ``x`` (a value or an aval) is a mutable array reference."""
+  return isinstance(getattr(x, "aval", x), _AbstractRef)
 
 
 def tangent_aval(aval):
@@ -467,12 +523,19 @@ def conv_batch(batched_args, batch_dims, **params):
 
 
 __all__ = [
+    "absent_primitive_names",
     "aval_of",
     "bind",
     "bitcast_convert_type_p",
     "bound_axis_names",
     "broadcast_in_dim_p",
     "CALLBACK_PRIMITIVES",
+    "is_ref",
+    "KERNEL_PRIMITIVES",
+    "pallas_call_p",
+    "ref_addupdate_p",
+    "ref_get_p",
+    "ref_swap_p",
     "call_thunk",
     "called_jax_function",
     "check_vma_enabled",
@@ -499,8 +562,8 @@ __all__ = [
     "eqn_transforms",
     "eval_eagerly",
     "gather_p",
-    "jaxprs_in_params",
     "jit_p",
+    "loaded_primitives",
     "linear_solve_p",
     "Literal",
     "make_varying",
@@ -523,7 +586,9 @@ __all__ = [
     "user_location",
     "user_source",
     "varying_axes",
+    "VERSION_SPECIFIC_PRIMITIVES",
     "while_p",
     "with_dtype",
+    "with_sharding",
     "wrap_thunk",
 ]

@@ -138,7 +138,7 @@ _ROLES: dict[Any, dict[str, str]] = {
         (_i.scan_p, {"body": "jaxpr"}),
         (_i.while_p, {"cond": "cond_jaxpr", "body": "body_jaxpr"}),
         (_i.cond_p, {"branches": "branches"}),
-        (_i.remat_p, {"body": "jaxpr"}),
+        (_i.remat_p, {"body": "jaxpr", "policy": "policy"}),
         (_i.custom_jvp_call_p, {"body": "call_jaxpr", "jvp": "jvp_jaxpr_fun"}),
         (_i.custom_vjp_call_p, {"body": "call_jaxpr",
                                 "fwd": "fwd_jaxpr_thunk"}),
@@ -163,7 +163,8 @@ def sub_jaxpr(eqn, role: str = "body"):
   Roles: ``"body"`` (every call-like primitive, `scan`, `while`'s body,
   `shard_map`, the primal of `custom_jvp`/`custom_vjp`), ``"cond"``
   (`while`), ``"branches"`` (`cond`, a tuple), ``"jvp"`` (`custom_jvp`'s
-  rule thunk), ``"fwd"`` (`custom_vjp`'s forward thunk).
+  rule thunk), ``"fwd"`` (`custom_vjp`'s forward thunk); and, not a
+  sub-jaxpr, ``"policy"`` (`checkpoint`'s remat policy).
   """
   return eqn.params[_key(eqn.primitive, role)]
 
@@ -207,6 +208,18 @@ def shard_map_like(eqn, fn, n_in: int, n_out: int):
       in_specs=tuple(p["in_specs"]) + (spec(),) * n_in,
       out_specs=tuple(p["out_specs"]) + (spec(axes),) * n_out,
       axis_names=frozenset(axes), check_vma=bool(p.get("check_vma", True)))
+
+
+# --- Kernels ------------------------------------------------------------------
+
+
+def kernel_name(eqn) -> Optional[str]:
+  """A Pallas kernel's name: ``pallas_call``'s ``name=``, else its kernel
+  function's name; None for any other equation."""
+  if _i.pallas_call_p is None or eqn.primitive is not _i.pallas_call_p:
+    return None
+  debug = getattr(eqn.params.get("jaxpr"), "debug_info", None)
+  return eqn.params.get("name") or getattr(debug, "func_name", None) or None
 
 
 # --- First-order params -----------------------------------------------------
@@ -315,14 +328,18 @@ def _conv_result_keys() -> tuple[str, ...]:
   return tuple(k for k in probe.eqns[0].params if k in _CONV_RESULT_PARAMS)
 
 
-def bind_conv(lhs, rhs, shape_params: Mapping[str, Any], result_dtype=None):
+def bind_conv(lhs, rhs, shape_params: Mapping[str, Any], result_dtype=None,
+              out_sharding=None):
   """Binds `conv_general_dilated` with ``shape_params`` (see `conv_params`),
-  asking for ``result_dtype`` (None: the operands'), no output sharding,
-  whichever of those params the installed JAX's primitive takes."""
+  asking for ``result_dtype`` (None: the operands') and ``out_sharding``
+  (None: none), whichever of those params the installed JAX's primitive
+  takes."""
   extra = {"preferred_element_type": (None if result_dtype is None
                                       else np.dtype(result_dtype))}
   extra.update({k: None for k in _conv_result_keys()
                 if k != "preferred_element_type"})
+  if "out_sharding" in extra:
+    extra["out_sharding"] = out_sharding
   return jax.lax.conv_general_dilated_p.bind(lhs, rhs, **shape_params, **extra)
 
 
@@ -336,6 +353,7 @@ __all__ = [
     "custom_jvp_num_consts",
     "dot_params",
     "is_collective",
+    "kernel_name",
     "matmul_flops",
     "out_sharding",
     "params_with_result_dtype",

@@ -6,8 +6,10 @@ the code they describe:
 * `classes`: the class rules (``lower``, ``full``, ``promote``, inputs, as
   written) and the element-wise, reduction, linear-algebra and combining
   primitives no family owns;
-* `special`: casts, bit reinterpretations, host callbacks, broadcasts and
-  gathers of down-cast values;
+* `special`: casts, bit reinterpretations, writes to references,
+  broadcasts and gathers of down-cast values;
+* `kernels`: host callbacks and Pallas kernels, run with their traced
+  dtypes (or by a dtype rule given by kernel name);
 * `matmul`, `conv`: each family's ``lower`` rule, its amp primitive and
   its float8 variant (`amp_primitive`, `fp8_scaling`, `half_storage` hold
   what they share; `fp8_placement` decides where float8 runs, `fp8_mesh`
@@ -20,8 +22,9 @@ Importing this package registers every family.
 
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import conv
+from mpolicy._src.rules import kernels
 from mpolicy._src.rules import matmul
 from mpolicy._src.rules import special
 from mpolicy._src.rules.dispatch import run
 
-__all__ = ["classes", "conv", "matmul", "special", "run"]
+__all__ = ["classes", "conv", "kernels", "matmul", "special", "run"]

@@ -91,20 +91,47 @@ def cast(x, dtype):
   return x.astype(dtype) if x.dtype != dtype else x
 
 
+def _explicit(mesh) -> bool:
+  """Whether ``mesh`` is a mesh with at least one explicit axis."""
+  if mesh is None or getattr(mesh, "empty", True):
+    return False
+  explicit = jax.sharding.AxisType.Explicit
+  return any(t == explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def sharding_for(aval, dims_order):
   """The sharding of a dot whose output holds ``aval``'s dims in
   ``dims_order``, where ``aval`` lives on a mesh with explicit axes; None
-  otherwise (then JAX needs none)."""
+  otherwise (then JAX needs none).
+
+  An ``aval`` on no mesh (a parameter left on one device) under a mesh
+  with explicit axes in use (`jax.set_mesh`) gets a result replicated over
+  that mesh, as JAX's own `dot_general` transpose gives it: its gradient
+  contracts a batch sharded over the mesh, whose sharding JAX cannot guess.
+  """
   sharding = getattr(aval, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or getattr(mesh, "empty", True):
-    return None
-  explicit = jax.sharding.AxisType.Explicit
-  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    current = jax.sharding.get_abstract_mesh()
+    if not _explicit(current):
+      return None
+    return jax.sharding.NamedSharding(
+        current, jax.sharding.PartitionSpec(*(None,) * len(aval.shape)))
+  if not _explicit(mesh):
     return None
   parts = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
   return sharding.update(spec=jax.sharding.PartitionSpec(
       *(parts[d] for d in dims_order)))
+
+
+def on_mesh(aval):
+  """``aval`` as JAX's transposes treat an operand's: one on no mesh, under
+  a mesh with explicit axes in use, is replicated over that mesh (see
+  `sharding_for`); any other is returned as it is."""
+  sharding = sharding_for(aval, range(len(aval.shape)))
+  if sharding is None or sharding == getattr(aval, "sharding", None):
+    return aval
+  return jax_compat.with_sharding(aval, sharding)
 
 
 def explicit_sharding(x):

@@ -1,11 +1,12 @@
 """What every rule works with: the `Op` being run, the environment it may
-ask (`RuleEnv`), and binding an equation on re-typed operands."""
+ask (`RuleEnv`), the op-rule table it may read (`RuleTable`), and binding
+an equation on re-typed operands."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,9 @@ from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import staged
 from mpolicy._src.rules import facts as facts_lib
+
+if TYPE_CHECKING:
+  from mpolicy._src.rules import fp8_placement
 
 AS_WRITTEN = "as written"
 """The class of every primitive inside `full_precision()`, and where a
@@ -60,6 +64,28 @@ class RuleEnv(Protocol):
     """Records that ``x`` repeats a smaller array."""
 
 
+class RuleTable(Protocol):
+  """What a rule may read of the op-rule table in force (an `OpRules`).
+
+  Rules look primitives up by name, as the table keys them; nothing else
+  of the table is theirs to read.
+  """
+
+  def class_of(self, name: str) -> Optional[str]:
+    """The primitive's class (``lower``, ``full``, ``promote``), else
+    ``None``."""
+
+  def reason_of(self, name: str) -> Optional[str]:
+    """The one-line reason `explain` shows for the primitive's entry."""
+
+  def rule_of(self, name: str) -> Optional[Callable[..., Any]]:
+    """The custom rule function given for the primitive, else ``None``."""
+
+  @property
+  def fp8(self) -> fp8_placement.Fp8Options:
+    """Where and how float8 runs under a ``c=f8`` policy."""
+
+
 @dataclasses.dataclass
 class Op:
   """One equation being run, and what its rule decided.
@@ -67,7 +93,7 @@ class Op:
   Attributes:
     eqn: the equation.
     env: the environment (values, cached casts, which values are parameters).
-    rules: the `OpRules` table in force.
+    rules: the op-rule table in force (a `RuleTable`: an `OpRules`).
     region: what governs the equation, or ``None``.
     args: its arguments: as they arrived, then as the rule ran it (a rule
       that casts them stores the cast ones here; `explain` reports their
@@ -84,7 +110,7 @@ class Op:
   """
   eqn: Any
   env: RuleEnv
-  rules: Any
+  rules: RuleTable
   region: Optional[regions.Region]
   args: list
   names: tuple[str, ...] = ()

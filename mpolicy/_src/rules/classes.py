@@ -152,7 +152,7 @@ def _as_written(op: base.Op) -> list:
   half inputs included. Disagreeing inputs meet at the widest."""
   op.rule = base.AS_WRITTEN
   if op.region is None or op.region.full_precision:
-    op.why = "full_precision()"
+    op.why = op.region.decided_by if op.region else "full_precision()"
   else:
     # Values the rules outside made narrower than the code had them (a
     # half matmul's result entering a `full` region) are read as the code
@@ -239,7 +239,7 @@ def _stored_half(op: base.Op, store: np.dtype) -> Optional[list]:
                                      and x_dtype == jnp.float32))):
       continue
     x = env.cast(x, store)  # A parameter is used in the compute dtype.
-    if facts_.scales and (i == 0 or eqn.primitive is jax.lax.mul_p):
+    if facts_.scales and (i == 0 or facts_.commutes):
       size = np.prod(eqn.outvars[0].aval.shape)
       if np.size(x) < size and np.size(s) < size:
         # Both operands spread along the result (``scale * rsqrt(var)``):
@@ -370,6 +370,9 @@ facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
 # magnitudes (no cancellation).
 facts.register(("mul", "div"), scales=True)
 
+# Operations whose two operands may trade places.
+facts.register(("add", "add_any", "mul", "max", "min"), commutes=True)
+
 # Sums and differences: a bfloat16 value offset by a float32 statistic
 # spread along it (``x - mean(x)``) computes in float32, stored in bfloat16.
 facts.register(("add", "sub"), offsets=True)
@@ -380,11 +383,11 @@ facts.register("broadcast_in_dim", spreads=True)
 # Re-arrangements of (part of) their first operand: a parameter reshaped,
 # broadcast, transposed or sliced is still a parameter.
 facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
-                "expand_dims", "slice", "dynamic_slice", "gather", "rev",
-                "copy", "copy_p", "device_put", "sharding_constraint"),
+                "slice", "dynamic_slice", "gather", "rev", "copy",
+                "device_put", "sharding_constraint"),
                keeps_param=True)
 
 # Re-shapings of their first operand: a broadcast scalar constant (a mask's
 # fill value) is still that constant, and follows the arrays it meets.
-facts.register(("broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-                "copy", "copy_p"), keeps_constant=True)
+facts.register(("broadcast_in_dim", "reshape", "squeeze", "copy"),
+               keeps_constant=True)

@@ -74,7 +74,11 @@ def transposed(side, params, ct, known, operand_aval, bind_conv):
   ``bind_conv`` for each convolution it makes."""
   if np.size(ct) == 0:  # JAX's rule gives a symbolic zero here.
     return jnp.zeros(operand_aval.shape, ct.dtype)
-  aval = jax_compat.with_dtype(operand_aval, ct.dtype)
+  # Under a mesh with explicit axes, JAX's rule names the operand's
+  # sharding as the result's (a kernel's gradient contracts a sharded
+  # batch): a kernel on no mesh is taken as replicated over it.
+  aval = amp_primitive.on_mesh(
+      jax_compat.with_dtype(operand_aval, ct.dtype))
 
   def transpose(ct, known):
     # No preferred type: the convolutions come out in the operands' dtype.
@@ -92,12 +96,14 @@ def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
                              lhs_dilation=None, rhs_dilation=None,
                              dimension_numbers=None, feature_group_count=1,
                              batch_group_count=1, precision=None,
-                             out_dtype: Any):
+                             out_dtype: Any, out_sharding: Any = None):
   """``conv_general_dilated`` of half ``lhs``, ``rhs``, f32 accumulation, cast.
 
   Takes `jax.lax.conv_general_dilated`'s arguments (string paddings, lists,
   dimension-number strings too: they are put in the hashable canonical form
   a jaxpr equation holds, which the transpose and batching rules need).
+  ``out_sharding`` is the convolution's (explicit sharding); the param is
+  bound only when given.
 
   >>> import jax.numpy as jnp
   >>> x, k = jnp.ones((1, 2, 4, 4), jnp.bfloat16), jnp.ones((3, 2, 3, 3), jnp.bfloat16)
@@ -117,20 +123,22 @@ def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
   if not canonical:
     params = jax_compat.canonical_conv_params(np.shape(lhs), np.shape(rhs),
                                               **params)
+  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
   return amp_primitive.bind(amp_conv_general_dilated_p, lhs, rhs, **params,
-                            out_dtype=np.dtype(out_dtype))
+                            out_dtype=np.dtype(out_dtype), **extra)
 
 
-def _conv_composite(lhs, rhs, *, out_dtype, **params):
-  out = jax_compat.bind_conv(lhs, rhs, params, jnp.float32)
+def _conv_composite(lhs, rhs, *, out_dtype, out_sharding=None, **params):
+  out = jax_compat.bind_conv(lhs, rhs, params, jnp.float32, out_sharding)
   return out.astype(out_dtype)
 
 
-def _conv_accelerator(lhs, rhs, *, out_dtype, **params):
+def _conv_accelerator(lhs, rhs, *, out_dtype, out_sharding=None, **params):
   """GPU/TPU: the half convolution, half result, then cast. Never asked for
   a float32 result: cuDNN has no such half kernel and XLA would run the
   whole convolution in float32."""
-  return jax_compat.bind_conv(lhs, rhs, params).astype(out_dtype)
+  return jax_compat.bind_conv(lhs, rhs, params,
+                              out_sharding=out_sharding).astype(out_dtype)
 
 
 def _as_amp(out_dtype=None):
@@ -139,20 +147,26 @@ def _as_amp(out_dtype=None):
   the half x half form."""
   def bind_conv(eqn, invals):
     dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
+    sharding = jax_compat.out_sharding(eqn)
+    extra = {} if sharding is None else {"out_sharding": sharding}
     return amp_conv_general_dilated_p.bind(
-        *invals, **jax_compat.conv_params(eqn), out_dtype=np.dtype(dtype))
+        *invals, **jax_compat.conv_params(eqn), out_dtype=np.dtype(dtype),
+        **extra)
   return bind_conv
 
 
-def _conv_transpose(side, ct, lhs, rhs, *, out_dtype, **params):
-  del out_dtype
+def _conv_transpose(side, ct, lhs, rhs, *, out_dtype, out_sharding=None,
+                    **params):
+  del out_dtype, out_sharding
   operand, other = amp_primitive.operands(side, lhs, rhs)
   out = transposed(side, params, _cast(ct, other.dtype), other, operand.aval,
                    _as_amp())
   return _cast(out, operand.aval.dtype)
 
 
-def _conv_batch(batched_args, batch_dims, *, out_dtype, **params):
+def _conv_batch(batched_args, batch_dims, *, out_dtype, out_sharding=None,
+                **params):
+  del out_sharding  # vmap of an explicitly sharded convolution: JAX's rule.
   out_dim = []
 
   def batched(lhs, rhs):
@@ -167,10 +181,18 @@ def _conv_batch(batched_args, batch_dims, *, out_dtype, **params):
   return _cast(out, out_dtype), out_dim[0]
 
 
+def _as_conv(*, out_dtype, **shape):
+  """What remat policies see (``dots_saveable``): the
+  ``conv_general_dilated`` it stands for."""
+  return jax.lax.conv_general_dilated_p, {
+      **shape, "preferred_element_type": np.dtype(out_dtype)}
+
+
 amp_primitive.define(amp_conv_general_dilated_p, _conv_composite,
                      _conv_accelerator,
                      functools.partial(_conv_transpose, "lhs"),
                      functools.partial(_conv_transpose, "rhs"), _conv_batch)
+jax_compat.define_remat_view(amp_conv_general_dilated_p, _as_conv)
 
 
 # --- The float8 convolution -----------------------------------------------------
@@ -207,7 +229,7 @@ def _scaled_conv_fwd(a, b, config: _Fp8Config):
 
 def _f32_accumulating(eqn, invals):
   return jax_compat.bind_conv(*invals, jax_compat.conv_params(eqn),
-                              jnp.float32)
+                              jnp.float32, jax_compat.out_sharding(eqn))
 
 
 def _scaled_conv_bwd(config: _Fp8Config, residuals, g):
@@ -274,15 +296,9 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
 
 def _lower_conv(op: base.Op, compute, out_dtype) -> list:
   del compute
-  if jax_compat.out_sharding(op.eqn) is None:
-    return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
-                                     out_dtype=out_dtype)]
-  # A convolution with an explicit output sharding (which the amp primitive
-  # does not carry): float32 accumulation, then cast. Under grad its
-  # backward convolutions see a float32 cotangent.
-  out = base.bind(op.eqn, op.args,
-                  jax_compat.params_with_result_dtype(op.eqn, jnp.float32))
-  return [op.env.cast(o, out_dtype) for o in out]
+  return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
+                                   out_dtype=out_dtype,
+                                   out_sharding=jax_compat.out_sharding(op.eqn))]
 
 
 FP8_REASON = ("per-tensor scaled float8_e4m3fn operands (scale = amax/448), "

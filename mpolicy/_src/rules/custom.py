@@ -33,13 +33,16 @@ def rule_name(fn) -> str:
 
 
 
-def run(op: base.Op, fn) -> list:
-  """Runs the equation as the user's rule ``fn`` says (`OpRules.with_rule`)."""
+def run(op: base.Op, fn, key=None) -> list:
+  """Runs the equation as the user's rule ``fn`` says (`OpRules.with_rule`;
+  ``key``: the name it was given for, if not the primitive's)."""
   name = rule_name(fn)
   policy = op.region.policy if op.region is not None else None
   outs = _check_custom_outputs(op.eqn, fn(policy, *op.args, **op.eqn.params),
                                name)
   op.rule, op.why = "custom", f"custom rule {name}"
+  if key is not None and key != op.eqn.primitive.name:
+    op.why += f" (given for {key!r})"
   if op.region is not None:
     op.why += f"; policy from {op.decided_by}"
   floats = sorted({dtypes.dtype_of(o).name for o in outs
@@ -53,6 +56,8 @@ def _check_custom_outputs(eqn, result, name: str) -> list:
   prim = eqn.primitive.name
   want = [v.aval for v in eqn.outvars]
   if eqn.primitive.multiple_results:
+    if len(want) == 1 and hasattr(result, "shape"):
+      result = [result]  # One result, as `pallas_call(...)(x)` returns it.
     if not isinstance(result, (tuple, list)):
       raise TypeError(
           f"custom rule {name} for {prim!r} returned {type(result).__name__}; "

@@ -1,7 +1,8 @@
 """How one first-order primitive runs: its rules, looked up in order.
 
 1. A custom rule the `OpRules` table holds for the primitive
-   (`OpRules.with_rule`), except inside `full_precision()`.
+   (`OpRules.with_rule`; a Pallas kernel's by its name first, see
+   `kernels.rule_keys`), except inside `full_precision()`.
 2. The primitive's ``special`` rule (`facts`), if it has one; it may
    decline by returning ``None``.
 3. The rule of the class the `OpRules` table gives the primitive (see
@@ -29,10 +30,12 @@ from mpolicy._src import sites
 from mpolicy._src.rules import base
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import custom
+from mpolicy._src.rules import kernels
 from mpolicy._src.rules import special
 
 
-def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
+def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
+        region: Optional[regions.Region],
         names: tuple[str, ...], quiet: bool = False) -> list:
   """Runs one first-order equation by its rules; records it for `explain`.
 
@@ -40,7 +43,7 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
     env: the environment of the enclosing jaxpr.
     eqn: the equation.
     invals: its input values.
-    rules: the `OpRules` table in force.
+    rules: the op-rule table in force (a `RuleTable`: an `OpRules`).
     region: what governs it (``None``: nothing).
     names: its scope names (for the recorded row and policy casts).
     quiet: if ``True``, nothing is recorded.
@@ -71,10 +74,10 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
   op.policy = policy
   facts = op.facts
 
-  fn = (None if region is not None and region.full_precision
-        else rules.rule_of(eqn.primitive.name))
+  fn, key = ((None, None) if region is not None and region.full_precision
+             else custom_rule(rules, eqn))
   if fn is not None:
-    outs = custom.run(op, fn)
+    outs = custom.run(op, fn, key)
   else:
     outs = facts.special(op) if facts.special is not None else None
     if outs is None:
@@ -99,6 +102,16 @@ def run(env: base.RuleEnv, eqn, invals, rules, region: Optional[regions.Region],
       recording.record(decision)
     sites.note_ran_in(decision.ran_in)
   return outs
+
+
+def custom_rule(rules, eqn) -> tuple:
+  """``(fn, key)``: the custom rule `rules` gives ``eqn`` by its most
+  specific key, or ``(None, None)``."""
+  for key in kernels.rule_keys(eqn):
+    fn = rules.rule_of(key)
+    if fn is not None:
+      return fn, key
+  return None, None
 
 
 def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:

@@ -47,6 +47,9 @@ class Facts:
       would broadcast is broadcast first, in its own dtype.
     scales: a product or quotient (no cancellation): a bfloat16 value
       scaled by a float32 statistic computes in float32, stored in bfloat16.
+    commutes: its two operands may trade places (``a * b == b * a``): a
+      product scales either operand by the other, a quotient only its
+      first.
     offsets: a sum or difference: a bfloat16 value offset by a float32
       statistic spread along it (``x - mean(x)``) computes in float32,
       stored in bfloat16.
@@ -56,6 +59,13 @@ class Facts:
       slice, ...): a parameter stays a parameter.
     keeps_constant: its result holds what its first operand holds
       everywhere (a broadcast, a reshape): a scalar constant stays one.
+    looks_up: its result holds entries of its first operand picked by
+      index (a gather): a lookup in a float32 parameter table under a half
+      policy is an embedding lookup, whose rows are used in the compute
+      dtype.
+    casts: it converts its operand to another dtype (the target
+      `jax_compat.cast_target` reads): a cast to float32 reads its operand
+      in float32, as a ``full`` op does.
     accumulates: its ``preferred_element_type`` follows re-typed inputs.
     special: a rule for this primitive run before its class rule (see
       `dispatch`); it may decline by returning ``None``.
@@ -69,10 +79,13 @@ class Facts:
   elementwise: bool = False
   broadcasts: bool = False
   scales: bool = False
+  commutes: bool = False
   offsets: bool = False
   spreads: bool = False
   keeps_param: bool = False
   keeps_constant: bool = False
+  looks_up: bool = False
+  casts: bool = False
   accumulates: bool = False
   special: Optional[Callable[..., Any]] = None
   lower: Optional[Callable[..., Any]] = None

@@ -241,11 +241,22 @@ def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
   return out, out_dim
 
 
+def _as_dot_general(*, dimension_numbers, precision, out_dtype,
+                    compute_dtype, out_sharding=None):
+  """What remat policies see (``dots_saveable`` and co.): the
+  ``dot_general`` it stands for."""
+  del compute_dtype
+  return lax.dot_general_p, dict(
+      dimension_numbers=dimension_numbers, precision=precision,
+      preferred_element_type=np.dtype(out_dtype), out_sharding=out_sharding)
+
+
 amp_primitive.define(
     amp_dot_general_p, _dot_composite, _dot_accelerator,
     functools.partial(_dot_transpose, "lhs"),
     functools.partial(_dot_transpose, "rhs"), _dot_batch,
     cpu_composite=functools.partial(_dot_composite, pin_lhs=True))
+jax_compat.define_remat_view(amp_dot_general_p, _as_dot_general)
 
 
 # --- The float8 matmul --------------------------------------------------------

@@ -1,9 +1,10 @@
 """Primitives whose handling does not follow from their op class.
 
-An explicit cast, a bit reinterpretation, a host callback, and a
-broadcast or gather of a value cast down from float32. Each rule is
+An explicit cast, a bit reinterpretation, a write to a mutable reference,
+and a broadcast or gather of a value cast down from float32. Each rule is
 registered as its primitive's ``special`` fact; a special rule may decline
-(return ``None``), and the class rule then runs.
+(return ``None``), and the class rule then runs. Host callbacks and Pallas
+kernels are in `kernels`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _convert(op: base.Op) -> Optional[list]:
   return [op.env.cast(op.args[0], new_dtype)]
 
 
-facts.register(jax_compat.convert_element_type_p, special=_convert)
+facts.register(jax_compat.convert_element_type_p, special=_convert,
+               casts=True)
 
 
 def _reinterpret(op: base.Op) -> list:
@@ -72,16 +74,20 @@ def _reinterpret(op: base.Op) -> list:
 facts.register(jax_compat.bitcast_convert_type_p, special=_reinterpret)
 
 
-def _callback(op: base.Op) -> list:
-  """A host callback is code as written: its operands arrive in the dtypes
-  the traced code had (its results are declared in them too)."""
-  op.rule, op.why = base.AS_WRITTEN, "host callback: operands in their traced dtypes"
-  op.args = [base.cast_as_traced(op.env, a, v.aval.dtype)
-             for a, v in zip(op.args, op.eqn.invars)]
+def _store(op: base.Op) -> list:
+  """A write to a mutable reference (a scan3 loop's carry): the value is
+  cast to the reference's dtype, which is the dtype the value entered the
+  loop with, as a classic scan's carry keeps it."""
+  ref, value, *rest = op.args
+  op.rule = base.AS_WRITTEN
+  op.why = "write to a reference: the value in the reference's dtype"
+  op.args = [ref, base.cast_as_traced(op.env, value, dtypes.dtype_of(ref)),
+             *rest]
   return base.bind(op.eqn, op.args)
 
 
-facts.register(jax_compat.CALLBACK_PRIMITIVES, special=_callback)
+facts.register([p for p in (jax_compat.ref_swap_p, jax_compat.ref_addupdate_p)
+                if p is not None], special=_store)
 
 
 def _in_wider_source(op: base.Op) -> Optional[list]:
@@ -106,7 +112,7 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
     return [op.env.cast(o, dtypes.dtype_of(x))
             for o in base.bind(op.eqn, [wide, *op.args[1:]])]
   compute = op.half_compute()
-  if (op.prim is jax_compat.gather_p and compute is not None
+  if (op.facts.looks_up and compute is not None
       and op.env.is_param(x) and dtypes.float_value(x)
       and not dtypes.is_double(dtypes.dtype_of(x))
       and dtypes.dtype_of(x).itemsize > compute.itemsize):
@@ -122,3 +128,4 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
 
 facts.register((jax_compat.broadcast_in_dim_p, jax_compat.gather_p),
                special=_in_wider_source)
+facts.register(jax_compat.gather_p, looks_up=True)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes as dtypes_lib
 from mpolicy._src.training import stochastic_rounding
 
@@ -30,17 +31,22 @@ def _rounds(p: Any) -> bool:
 
 
 def apply_updates_stochastic(params: PyTree, updates: PyTree,
-                             key: jax.Array) -> PyTree:
+                             key: jax.Array, *,
+                             vary_over: Any = None) -> PyTree:
   """`params + updates`, rounded stochastically to each param's dtype.
 
   bfloat16 and float16 leaves are summed in float32 and written with
   `stochastic_round` (a key per leaf, folded from `key`); other leaves are
-  `optax.apply_updates`'s `p + u` in their own dtype.
+  `optax.apply_updates`'s `p + u` in their own dtype. Inside `shard_map`,
+  sharded (FSDP) params round independently on each device and replicated
+  ones identically (see `stochastic_round`; `vary_over` names the sharded
+  axes where `check_vma=False`).
 
   Args:
     params: the params.
     updates: updates shaped like `params` (None leaves leave a param as is).
     key: a JAX PRNG key; use a new one each step.
+    vary_over: passed to `stochastic_round` for every half leaf.
 
   Returns:
     The new params, each leaf in its old dtype.
@@ -63,7 +69,8 @@ def apply_updates_stochastic(params: PyTree, updates: PyTree,
     elif _rounds(p):
       exact = jnp.asarray(p).astype(jnp.float32) + jnp.asarray(u).astype(
           jnp.float32)
-      out.append(stochastic_rounding.stochastic_round(exact, p.dtype, jax.random.fold_in(key, i)))
+      out.append(stochastic_rounding.stochastic_round(
+          exact, p.dtype, jax.random.fold_in(key, i), vary_over=vary_over))
     else:
       out.append(jnp.asarray(p + u).astype(dtypes_lib.dtype_of(p)))
   return treedef.unflatten(out)
@@ -85,6 +92,8 @@ class StochasticParamsState(NamedTuple):
 def stochastic_params(
     inner: optax.GradientTransformation,
     seed: int = 0,
+    *,
+    vary_over: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Makes `optax.apply_updates` round half params stochastically.
 
@@ -107,17 +116,27 @@ def stochastic_params(
   moments) stays the safe choice when memory allows; this one fits when
   the optimizer state is what does not fit.
 
+  Across devices (inside `shard_map` with `check_vma=True`) FSDP-sharded
+  params round independently on each device and replicated params
+  identically, so replicas never drift apart; with `check_vma=False`
+  name the axes sharded params are split over with `vary_over` (then
+  every half param rounds per device: keep replicated half params out of
+  such a step, or use `check_vma=True`).
+
   Args:
     inner: the optimizer (extra args are passed on).
     seed: the seed of the rounding's keys.
+    vary_over: the mesh axes the params are sharded over, for
+      `stochastic_round` under `check_vma=False` or `pmap`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `StochasticParamsState`.
     Its `update` needs `params`.
 
   Raises:
+    TypeError: `vary_over` is not an axis name or a tuple of them; from
+      `update`, if the state was not made by this `init`.
     ValueError: from `update`, if `params` is not given.
-    TypeError: from `update`, if the state was not made by this `init`.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = stochastic_params(optax.sgd(1e-3))
@@ -132,7 +151,9 @@ def stochastic_params(
   See also: `apply_updates_stochastic`, `with_state_dtypes`,
   `master_weights`.
   """
+  arguments.require_transformation(inner, "stochastic_params", "inner")
   inner = optax.with_extra_args_support(inner)
+  stochastic_rounding.check_vary_over(vary_over, "stochastic_params")
 
   def init(params):
     return StochasticParamsState(inner.init(params), jnp.zeros([], jnp.int32))
@@ -153,7 +174,8 @@ def stochastic_params(
         updates, state.inner_state, params, **extra_args)
     key = jax.random.fold_in(
         stochastic_rounding.leaf_keys(seed, state.count, 1)[0], _PARAM_STREAM)
-    new_params = apply_updates_stochastic(params, inner_updates, key)
+    new_params = apply_updates_stochastic(params, inner_updates, key,
+                                          vary_over=vary_over)
 
     def param_update(p, new, u):
       if u is None or not _rounds(p):

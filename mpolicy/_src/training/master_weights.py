@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src.training import _trees
 
 PyTree = Any
@@ -74,6 +75,7 @@ def master_weights(
   See also: `init_master_weights`, `params_from_master`, `skip_nonfinite`
   (wrap it around `master_weights` to keep the master on bad steps).
   """
+  arguments.require_transformation(inner, "master_weights", "inner")
   inner = optax.with_extra_args_support(inner)
   master_dtype = np.dtype(master_dtype)
 

@@ -16,6 +16,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import _trees
@@ -63,7 +64,8 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
     raise TypeError(
         "scaled_value_and_grad: cannot differentiate with respect to "
         "non-floating leaves: " + ", ".join(bad) + ". Only floating-point "
-        "leaves (float16, bfloat16, float32, float64) and complex ones are "
+        "leaves (float8, float16, bfloat16, float32, float64) and complex "
+        "ones are "
         "accepted in the arguments named by argnums; pass integer data (step "
         "counts, token ids) through another argument, or cast it to a float "
         "dtype.")
@@ -120,17 +122,25 @@ def _unscale(loss_scale: LossScale, grads: Any, grad_dtype: Any) -> Any:
       if _trees.is_floating(g) else u, unscaled, grads)
 
 
-def _attempt(scaled_fun, nums, grad_dtype, axis_name, reduce_dtype):
+def _attempt(scaled_fun, argnums, grad_dtype, axis_name, reduce_dtype):
   """`attempt(loss_scale, *args)`: one scaled forward and backward, giving
   `(grads, grads_finite, loss, aux)`, reduced over `axis_name`."""
+  # Positions in (loss_scale, *args): one further on, or the same from the end.
+  shift = lambda i: i + 1 if i >= 0 else i
+  nums = (shift(argnums) if isinstance(argnums, int)
+          else tuple(map(shift, argnums)))
   grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
 
   def attempt(loss_scale, *args, **kwargs):
+    # Replicated params' gradients stay per device, to be summed in
+    # reduce_dtype (inside shard_map, JAX's own sum is in their dtype).
+    args, per_device = distributed.vary_replicated(args, argnums, axis_name)
     (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
     grads = _unscale(loss_scale, grads, grad_dtype)
     if axis_name is not None:
       distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
-      grads = distributed.average_grads(grads, axis_name, reduce_dtype)
+      grads = distributed.average_grads(grads, axis_name, reduce_dtype,
+                                        per_device)
       loss = distributed.average_value(loss, axis_name, reduce_dtype)
     grads_finite = distributed.agree_finite(
         loss_scale_lib.all_finite(grads), axis_name)
@@ -201,13 +211,18 @@ def scaled_value_and_grad(
   Nothing here syncs with the host, and nothing skips the update: pass
   `grads_finite` to `skip_nonfinite` or `update_if_finite` for that.
 
-  `axis_name` names the data axes only. Under `pmap` the per-device
-  gradients are `pmean`-ed; inside `shard_map` (with `check_vma=True`) JAX
-  has already summed each gradient over the devices sharing its parameter
-  (replicated, FSDP-sharded or tensor-parallel), so the sum is divided by
-  the number of data-parallel devices: the result is the gradient of the
-  loss averaged over the data axes either way, never averaged across a
-  parameter's shards. The finiteness flag is agreed over every bound axis.
+  `axis_name` names the data axes only. Under `pmap` (and `shard_map`
+  with `check_vma=False`) the per-device gradients are `pmean`-ed in
+  `reduce_dtype`. Inside `shard_map` with `check_vma=True` the
+  differentiated parameters are marked varying over the data axes they are
+  replicated over before `fun` runs, so JAX's AD leaves their gradients per
+  device (it would sum them in their own dtype) and they are summed here in
+  `reduce_dtype`; over a data axis a parameter is sharded over (FSDP),
+  JAX's AD sums (the reduce-scatter of the `all_gather`, in the gradient's
+  dtype). The sum is divided by the number of data-parallel devices: the
+  result is the gradient of the loss averaged over the data axes in every
+  mode, never averaged across a parameter's shards. The finiteness flag is
+  agreed over every bound axis.
 
   With `max_retries=N > 0`, a non-finite step is redone in the same call:
   the scale backs off (`loss_scale.adjust(False)`) and the forward and
@@ -225,6 +240,13 @@ def scaled_value_and_grad(
   twice (longer compiles): use it where overflows are frequent enough that
   skipped steps cost more.
 
+  Float8 parameters (float8_e4m3fn, float8_e5m2) get float8 gradients,
+  unscaled in float32 and rounded back to float8 (the loss scales' own
+  casts never saturate: past the largest finite value is inf, or nan in
+  float8_e4m3fn). JAX's differentiation makes the scaled float8 gradient;
+  where it overflows (inf or nan on CPU) the step is flagged and the scale
+  backs off.
+
   Complex parameters are differentiated, unscaled, averaged and checked
   for inf/NaN like real ones, but their gradients always come back in their
   own dtype: `grad_dtype` and `reduce_dtype` apply to real floating leaves.
@@ -240,11 +262,12 @@ def scaled_value_and_grad(
       agreed over every axis. None for one device, or for plain `jit` over
       sharded arrays, where reductions are global. Naming a model axis
       inside `shard_map` raises a `ValueError` saying what to pass.
-    reduce_dtype: dtype the helper's cross-device mean is computed in
-      (float32 by default, so a sum of half gradients cannot overflow;
-      inside `shard_map` JAX's own sum runs in the gradient's dtype and
-      only the division uses it); pass
+    reduce_dtype: dtype the gradients are summed and averaged across
+      devices in (float32 by default, so a sum of half gradients neither
+      overflows nor loses bits; `jnp.bfloat16` halves the traffic); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
+      An FSDP reduce-scatter that JAX derives from an `all_gather` in `fun`
+      runs in the gradient's dtype.
     grad_dtype: dtype to return the real floating gradients in; None keeps
       each leaf's own dtype. float32 keeps tiny unscaled gradients of
       float16 params from underflowing (see `master_weights`).
@@ -259,8 +282,11 @@ def scaled_value_and_grad(
     unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
-    TypeError, ValueError: at once, if `max_retries` is not an int >= 0.
-    TypeError: when `g` is called or traced, if `fun` returns a non-scalar
+    TypeError, ValueError: at once, if `fun` is not callable or
+      `max_retries` is not an int >= 0.
+    TypeError: when `g` is called or traced, if its first argument is not a
+      loss scale (a number, an array, or a forgotten loss scale: the message
+      names `loss_scale` and the classes), if `fun` returns a non-scalar
       or non-floating loss, or if a leaf of a differentiated argument is not
       floating point (the message names each offending leaf).
 
@@ -275,13 +301,16 @@ def scaled_value_and_grad(
   See also: `skip_nonfinite`, `update_if_finite`, `make_train_step`,
   `DynamicLossScale`.
   """
+  arguments.require_callable(fun, "scaled_value_and_grad", "fun",
+                             "the loss function")
   max_retries = _check_max_retries(max_retries)
-  nums = (argnums + 1 if isinstance(argnums, int)
-          else tuple(i + 1 for i in argnums))
-  attempt = _attempt(_scaled_loss(fun, has_aux), nums, grad_dtype, axis_name,
+  attempt = _attempt(_scaled_loss(fun, has_aux), argnums, grad_dtype, axis_name,
                      reduce_dtype)
 
   def g(loss_scale: LossScale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "scaled_value_and_grad",
+        "scaled_value_and_grad(fun)(loss_scale, *args)")
     _check_differentiable(args, argnums)
     grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
     # A loss scale without array leaves (NoOp, Static) cannot back off inside

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src.training import _trees
 
 
@@ -43,6 +44,7 @@ def keep_dtypes(
 
   See also: `master_weights`, `make_train_step`.
   """
+  arguments.require_transformation(inner, "keep_dtypes", "inner")
   inner = optax.with_extra_args_support(inner)
 
   def init(params):

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import dtypes as dtypes_lib
 from mpolicy._src.training import _trees
 from mpolicy._src.training import attribution
@@ -54,6 +56,12 @@ def _floating_dtype(dtype: Any, where: str) -> np.dtype:
 
 def _choice(dtypes: Any) -> tuple[DtypeChoice, frozenset[str]]:
   """`(choose(field, param_path) -> dtype or None, field names required)`."""
+  if dtypes is None:  # np.dtype(None) is float64: not what None means.
+    raise TypeError(
+        "with_state_dtypes: dtypes must be a dtype (for all floating state), "
+        "a mapping from state field name to dtype (e.g. {'mu': jnp.bfloat16})"
+        " or a function (field, param_path) -> dtype or None; got None. To "
+        "keep every dtype, do not wrap the transformation.")
   if isinstance(dtypes, Mapping):
     table = {str(k): _floating_dtype(v, f"dtypes[{k!r}]")
              for k, v in dtypes.items()}
@@ -75,6 +83,23 @@ def _choice(dtypes: Any) -> tuple[DtypeChoice, frozenset[str]]:
       "with_state_dtypes: dtypes must be a dtype (for all floating state), a "
       "mapping from state field name to dtype (e.g. {'mu': jnp.bfloat16}), or "
       f"a function (field, param_path) -> dtype or None; got {dtypes!r}.")
+
+
+def _check_seed(seed: Any, rounding: str) -> int:
+  """The seed as an int; warns if rounding to nearest would ignore it."""
+  if seed is None:
+    return 0
+  if isinstance(seed, (bool, np.bool_)) or not isinstance(
+      seed, (int, np.integer)):
+    raise TypeError("with_state_dtypes: seed must be an int (the seed of the "
+                    f"stochastic rounding's keys), got {seed!r}.")
+  if rounding == "nearest":
+    warnings.warn(
+        f"with_state_dtypes: seed={seed} has no effect with "
+        'rounding="nearest", which draws no random bits. Pass '
+        'rounding="stochastic" to round with keys from this seed, or leave '
+        "seed out.", stacklevel=3)
+  return int(seed)
 
 
 def _field_name(path) -> str:
@@ -137,7 +162,8 @@ def with_state_dtypes(
     dtypes: Any,
     *,
     rounding: str = "nearest",
-    seed: int = 0,
+    seed: Optional[int] = None,
+    vary_over: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Stores `transform`'s floating state in chosen dtypes, computes in float32.
 
@@ -169,15 +195,24 @@ def with_state_dtypes(
       `"nearest"`, or `"stochastic"` (`stochastic_round`, with keys drawn
       from `seed` and the update counter kept in the state, so a resumed run
       draws the same bits).
-    seed: the seed of the stochastic rounding's keys.
+    seed: the seed of the stochastic rounding's keys (0 if None); with
+      `rounding="nearest"` nothing is random, and a seed warns.
+    vary_over: with `rounding="stochastic"` under `shard_map` with
+      `check_vma=False` (or `pmap`), the mesh axes the state is sharded
+      over (see `stochastic_round`). With `check_vma=True` sharded state
+      rounds independently per device and replicated state identically
+      without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `StateDtypesState`.
 
   Raises:
-    ValueError: `rounding` is not one of "nearest", "stochastic"; or (from
-      `init`) a field named in `dtypes` is not in the state.
-    TypeError: `dtypes` is not a floating dtype, a mapping or a function.
+    ValueError: `rounding` is not one of "nearest", "stochastic"; or
+      `vary_over` is given with `rounding="nearest"`; or (from `init`) a
+      field named in `dtypes` is not in the state.
+    TypeError: `transform` is not an optax transformation; `dtypes` is not
+      a floating dtype, a mapping or a function; `seed` is not an int; or
+      `vary_over` is not an axis name or a tuple of them.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = with_state_dtypes(optax.adam(1e-3), {"mu": jnp.bfloat16})
@@ -188,9 +223,17 @@ def with_state_dtypes(
 
   See also: `stochastic_round`, `stochastic_params`, `master_weights`.
   """
+  arguments.require_transformation(transform, "with_state_dtypes")
   if rounding not in _ROUNDINGS:
     raise ValueError(f"with_state_dtypes: rounding must be one of "
                      f"{_ROUNDINGS}, got {rounding!r}.")
+  stochastic_rounding.check_vary_over(vary_over, "with_state_dtypes")
+  if vary_over is not None and rounding != "stochastic":
+    raise ValueError(
+        f"with_state_dtypes: vary_over={vary_over!r} applies to stochastic "
+        f"rounding only, but rounding={rounding!r}; pass "
+        "rounding='stochastic', or drop vary_over.")
+  seed = _check_seed(seed, rounding)
   choose, required = _choice(dtypes)
   inner = optax.with_extra_args_support(transform)
 
@@ -209,7 +252,8 @@ def with_state_dtypes(
     for new, old, key in zip(new_leaves, old_leaves, keys):
       if dtypes_lib.dtype_of(old) in stochastic_rounding.TARGETS:
         out.append(stochastic_rounding.stochastic_round(
-            jnp.asarray(new).astype(jnp.float32), old.dtype, key))
+            jnp.asarray(new).astype(jnp.float32), old.dtype, key,
+            vary_over=vary_over))
       else:
         out.append(_write_nearest(new, old))
     return treedef.unflatten(out)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src.training import accumulation
 from mpolicy._src.training import attribution
 from mpolicy._src.training import half_params
+from mpolicy._src.training import microbatches as microbatches_lib
 from mpolicy._src.training import scaling
 from mpolicy._src.training import skipping
 
@@ -70,6 +75,24 @@ class TrainStepResult(NamedTuple):
     return attribution.nonfinite_paths(self.nonfinite)
 
 
+class _Default:
+  """A keyword's default, told apart from the same value passed."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __repr__(self) -> str:
+    return _show(self.value)
+
+
+def _show(value: Any) -> str:
+  """A keyword's value as written: a dtype by its name."""
+  try:
+    return np.dtype(value).name if value is not None else "None"
+  except TypeError:
+    return repr(value)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -77,12 +100,15 @@ def make_train_step(
     has_aux: bool = False,
     has_state: bool = False,
     axis_name: Any = None,
-    reduce_dtype: Any = jnp.float32,
+    reduce_dtype: Any = _Default(jnp.float32),
     grad_dtype: Any = None,
     max_retries: int = 0,
     param_rounding: str = "nearest",
-    average_state: bool = True,
+    average_state: bool = _Default(True),
     attribute_overflow: bool = False,
+    microbatches: int = 1,
+    batch_argnums: int | Sequence[int] | None = None,
+    loss_reduction: str = "mean",
 ) -> Callable[..., TrainStepResult]:
   """A complete loss-scaled training step that skips non-finite steps.
 
@@ -90,7 +116,27 @@ def make_train_step(
   `params` (the first argument of `loss_fn`), then `update_if_finite`: on a
   non-finite step params and every leaf of `opt_state` are returned
   bit-for-bit unchanged and the loss scale backs off. Jit it (or `pmap` /
-  `shard_map` it with `axis_name`) yourself.
+  `shard_map` it with `axis_name`) yourself, donating params and optimizer
+  state (`jax.jit(step, donate_argnums=(0, 1))`): the update then writes in
+  place and the step holds the gradients beyond its inputs, about what a
+  hand-written step without skipping holds.
+
+  With `microbatches=k` the step accumulates gradients: the batch
+  arguments are split along their leading axis into `k` microbatches,
+  strided (microbatch `i` holds rows `i, i + k, ...`, so a batch sharded
+  along that axis splits without communication), which run one after
+  another in a `lax.scan` under one loss scale (the step holds one
+  microbatch's activations). Their unscaled gradients are summed in float32
+  (half gradients never accumulate in half), the mean is reduced across
+  devices once (with `axis_name`) and the optimizer applied once. The loss
+  scale adjusts once per attempt; a non-finite gradient in any microbatch
+  skips the whole step (params, optimizer state and model state come back
+  bit for bit); with `max_retries` the whole step is redone at the lower
+  scale. `value` is the mean of the microbatches' losses, aux that of the
+  last microbatch; model state is threaded through the microbatches in
+  order (BatchNorm's statistics are those of `k` batches `k` times
+  smaller). With a mean loss the update equals the one-batch update up to
+  rounding; `check_accumulation` measures it on your model.
 
   Args:
     loss_fn: `loss_fn(params, *args)` returns the loss (`(loss, aux)` with
@@ -105,10 +151,13 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`; `axis_name` names the data axes only.
+      `reduce_dtype` (float32 by default) passed without `axis_name` does
+      nothing and warns.
     average_state: with `has_state` and `axis_name`, average the floating
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
       `shard_map(out_specs=P())` accepts it). Integer leaves are kept.
+      Passed without `has_state` and `axis_name`, it warns.
     attribute_overflow: also return which parameters' gradients were not
       finite, as flags in `TrainStepResult.nonfinite` (one bool scalar per
       parameter, computed on device; no host sync); the result's
@@ -117,11 +166,34 @@ def make_train_step(
       float16 params with stochastic rounding (no float32 copy): the step
       runs `stochastic_params(optimizer)`, so make `opt_state` with
       `stochastic_params(optimizer).init(params)`.
+    microbatches: how many microbatches to split the batch into (1: no
+      accumulation, the step as it was). It must divide the leading axis of
+      every batched array (of the local batch inside `pmap` /
+      `shard_map`); a `ValueError` names the argument it does not divide.
+    batch_argnums: which of `*args` (the data arguments after params and
+      model state) are batched; None for all of them. In those, every
+      array with an axis is split; 0-d arrays and typed PRNG keys are
+      passed whole (every microbatch gets the same key), as are keyword
+      arguments.
+    loss_reduction: `"mean"` (`loss_fn` returns a mean over the batch), or
+      `"sum_count"`: `loss_fn` returns `(sum, count)` (e.g. the summed
+      token losses and the number of tokens; `((sum, count), aux)` with
+      `has_aux`) and the step's gradient is that of the batch's
+      `sum / count` over all microbatches (and devices), however the
+      tokens fall into microbatches. Use it for token-mean losses with
+      padding or masks, where the mean of microbatch means is not the
+      batch's token mean. `value` is then the batch's `sum / count`.
 
   Returns:
     `step(params, opt_state, loss_scale, *args, **kwargs)`, or with
     `has_state` `step(params, model_state, opt_state, loss_scale, *args,
     **kwargs)`, returning a `TrainStepResult`.
+
+  Raises:
+    TypeError: at once, if `loss_fn` is not callable or `optimizer` is not
+      an optax transformation; when the step is called, if `loss_scale` is
+      not a loss scale (a number, an array, or left out: the message names
+      `loss_scale` and the loss-scale classes).
 
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
@@ -132,25 +204,76 @@ def make_train_step(
   >>> bool(out.grads_finite), float(out.value), out.params["w"].tolist()
   (True, 1.0, [0.10000000149011612, 0.10000000149011612])
 
-  See also: `scaled_value_and_grad`, `update_if_finite`, `skip_nonfinite`.
+  Four microbatches, the inputs donated:
+
+  >>> step = jax.jit(make_train_step(loss_fn, tx, microbatches=4),
+  ...                donate_argnums=(0, 1))
+  >>> out = step({"w": jnp.zeros(2)}, tx.init(params),
+  ...            mpolicy.DynamicLossScale(2. ** 15), jnp.ones((8, 2)))
+  >>> float(out.value), out.params["w"].tolist()
+  (1.0, [0.10000000149011612, 0.10000000149011612])
+
+  See also: `scaled_value_and_grad`, `update_if_finite`,
+  `check_accumulation`, `skip_nonfinite`.
   """
+  arguments.require_callable(loss_fn, "make_train_step", "loss_fn",
+                             "the loss function")
+  arguments.require_transformation(optimizer, "make_train_step", "optimizer")
+  where = "make_train_step"
+  reduce_dtype, average_state = _warn_if_ignored(
+      reduce_dtype, average_state, axis_name, has_state)
   optimizer = half_params.for_param_rounding(optimizer, param_rounding)
+  k = microbatches_lib.check_microbatches(microbatches, where)
+  batch_argnums = microbatches_lib.check_batch_argnums(batch_argnums, where)
+  loss_reduction = accumulation.check_loss_reduction(loss_reduction, where)
+  fun = _with_state_as_aux(loss_fn, has_aux) if has_state else loss_fn
   grad_options = dict(
-      axis_name=axis_name, reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
+      has_aux=has_aux or has_state, axis_name=axis_name,
+      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
       max_retries=max_retries, attribute_overflow=attribute_overflow)
+  if k == 1 and loss_reduction == accumulation.MEAN:
+    grad_fn = scaling.scaled_value_and_grad(fun, **grad_options)
+  else:
+    grad_fn = accumulation.accumulated_value_and_grad(
+        fun, k, has_state=has_state, batch_argnums=batch_argnums,
+        arg_names=microbatches_lib.arg_names(loss_fn, 1),
+        loss_reduction=loss_reduction, **grad_options)
   if not has_state:
-    return _step(loss_fn, optimizer, has_aux, grad_options)
+    return _step(grad_fn, optimizer)
   average_over = axis_name if average_state else None
-  return _step_with_state(loss_fn, optimizer, has_aux, average_over,
-                          grad_options)
+  return _step_with_state(grad_fn, optimizer, has_aux, average_over)
 
 
-def _step(loss_fn, optimizer, has_aux, grad_options):
+def _warn_if_ignored(reduce_dtype, average_state, axis_name, has_state):
+  """The two keywords' values, warning for one passed where it does nothing."""
+  if not isinstance(reduce_dtype, _Default) and axis_name is None:
+    warnings.warn(
+        f"make_train_step: reduce_dtype={_show(reduce_dtype)} has no effect "
+        "without axis_name: it sets the dtype of the cross-device mean that "
+        "runs inside pmap / shard_map over the data axes. Pass axis_name "
+        "(the axes the batch is split over), or drop reduce_dtype (under "
+        "jax.jit with sharded arrays XLA places the reductions).",
+        UserWarning, stacklevel=3)
+  if not isinstance(average_state, _Default) and not (
+      has_state and axis_name is not None):
+    missing = "has_state=True" if not has_state else "axis_name"
+    warnings.warn(
+        f"make_train_step: average_state={average_state!r} has no effect "
+        f"without {missing}: it averages the model state (BatchNorm's "
+        "statistics) that loss_fn returns with has_state=True over the data "
+        "axes named by axis_name. Pass both, or drop average_state.",
+        UserWarning, stacklevel=3)
+  unset = lambda x: x.value if isinstance(x, _Default) else x
+  return unset(reduce_dtype), unset(average_state)
+
+
+def _step(grad_fn, optimizer):
   """The step of a model without state."""
-  grad_fn = scaling.scaled_value_and_grad(loss_fn, has_aux=has_aux,
-                                          **grad_options)
 
   def step(params, opt_state, loss_scale, *args, **kwargs):
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step",
+        "step(params, opt_state, loss_scale, *args)")
     new_loss_scale, finite, value, grads, *flags = grad_fn(
         loss_scale, params, *args, **kwargs)
     new_params, new_opt_state = skipping.update_if_finite(
@@ -163,7 +286,7 @@ def _step(loss_fn, optimizer, has_aux, grad_options):
 
 def _with_state_as_aux(loss_fn, has_aux):
   """`loss_fn(params, model_state, *args)` as a loss whose aux carries the
-  new model state: `(loss, new_state)`, or `(loss, (aux, new_state))`."""
+  new model state: `(loss, (aux, new_state))`, aux None without has_aux."""
 
   def loss_with_state(params, model_state, *args, **kwargs):
     out = loss_fn(params, model_state, *args, **kwargs)
@@ -173,29 +296,24 @@ def _with_state_as_aux(loss_fn, has_aux):
           "`(loss, new_model_state)` (`((loss, aux), new_model_state)` with "
           f"has_aux=True), got {type(out).__name__}.")
     value, new_model_state = out
-    if has_aux:
-      loss, aux = value
-      return loss, (aux, new_model_state)
-    return value, new_model_state
+    loss, aux = value if has_aux else (value, None)
+    return loss, (aux, new_model_state)
 
   return loss_with_state
 
 
-def _step_with_state(loss_fn, optimizer, has_aux, average_over, grad_options):
+def _step_with_state(grad_fn, optimizer, has_aux, average_over):
   """The step of a model with state; `average_over` is None or the data axes
   to average the new state over."""
-  grad_fn = scaling.scaled_value_and_grad(
-      _with_state_as_aux(loss_fn, has_aux), has_aux=True, **grad_options)
 
   def step_with_state(params, model_state, opt_state, loss_scale, *args,
                       **kwargs):
-    new_loss_scale, finite, (loss, extra), grads, *flags = grad_fn(
-        loss_scale, params, model_state, *args, **kwargs)
-    if has_aux:
-      aux, new_model_state = extra
-      value = (loss, aux)
-    else:
-      value, new_model_state = loss, extra
+    loss_scale_lib.require_loss_scale(
+        loss_scale, "make_train_step(has_state=True)",
+        "step(params, model_state, opt_state, loss_scale, *args)")
+    new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
+        grad_fn(loss_scale, params, model_state, *args, **kwargs))
+    value = (loss, aux) if has_aux else loss
     if average_over is not None:
       new_model_state = distributed.average_value(
           new_model_state, average_over, jnp.float32)

@@ -169,11 +169,11 @@ def test_explain_names_the_rule_function():
                                        rules=rules), X)
   (row,) = [r for r in report.rows if r.primitive == "exp"]
   assert row.rule == "custom" and row.ran_in == "bfloat16"
-  assert "test_custom_rules.exp_in_bf16" in row.decided_by
+  assert "test_custom.exp_in_bf16" in row.decided_by
   assert "amp(policy=p=f32,c=bf16,o=f32)" in row.decided_by
-  assert report.custom_rules == {"exp": "test_custom_rules.exp_in_bf16"}
-  assert "test_custom_rules.exp_in_bf16" in str(report)
-  assert rules.reason_of("exp") == "custom rule test_custom_rules.exp_in_bf16"
+  assert report.custom_rules == {"exp": "test_custom.exp_in_bf16"}
+  assert "test_custom.exp_in_bf16" in str(report)
+  assert rules.reason_of("exp") == "custom rule test_custom.exp_in_bf16"
 
 
 def test_explain_names_partials_and_methods():
@@ -185,7 +185,7 @@ def test_explain_names_partials_and_methods():
   assert op_rules.rule_name(Rules().exp).endswith(
       "test_explain_names_partials_and_methods.<locals>.Rules.exp")
   part = functools.partial(dot_in_f32)
-  assert op_rules.rule_name(part) == "partial(test_custom_rules.dot_in_f32)"
+  assert op_rules.rule_name(part) == "partial(test_custom.dot_in_f32)"
 
 
 # --- precedence ---------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_without_ops_drops_a_rule_and_tables_compare():
   assert rules == DEFAULT_RULES.with_rule("exp", exp_in_bf16)
   assert rules != DEFAULT_RULES and hash(rules) == hash(
       DEFAULT_RULES.with_rule("exp", exp_in_bf16))
-  assert "custom={'exp': test_custom_rules.exp_in_bf16}" in repr(rules)
+  assert "custom={'exp': test_custom.exp_in_bf16}" in repr(rules)
   assert DEFAULT_RULES.rule_of("exp") is None
 
 

@@ -1,0 +1,72 @@
+"""Checks of what a public function was given, made at the call that got it.
+
+Each raises a `TypeError` naming the function, the argument, what it got
+and what is accepted, as `jax.jit(3)` does, instead of an `AttributeError`
+from deep inside a later call.
+
+>>> require_callable(len, "amp", "fn", "the function to run")
+>>> require_callable(3, "amp", "fn", "the function to run")
+Traceback (most recent call last):
+...
+TypeError: amp: fn must be a callable (the function to run), got 3 (int).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def describe(x: Any) -> str:
+  """``x`` in a few words: ``3 (int)``, ``a float32[2] array (ArrayImpl)``.
+
+  >>> import jax.numpy as jnp
+  >>> describe(jnp.ones(2)), describe(None)
+  ('a float32[2] array (ArrayImpl)', 'None (NoneType)')
+  """
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and hasattr(x, "shape"):
+    what = f"a {np.dtype(dtype).name}{list(np.shape(x))} array"
+  else:
+    text = repr(x)
+    what = text if len(text) <= 60 else text[:57] + "..."
+  return f"{what} ({type(x).__name__})"
+
+
+def require_callable(fn: Any, who: str, arg: str, what: str) -> None:
+  """Raises a `TypeError` unless ``fn`` is callable.
+
+  Args:
+    fn: what was passed.
+    who: the public function that got it, e.g. ``"amp"``.
+    arg: the argument's name.
+    what: what the argument is for, e.g. ``"the function to run"``.
+  """
+  if callable(fn):
+    return
+  hint = ""
+  if isinstance(fn, str):
+    hint = (f" A string comes after the function: {who}(fn, "
+            f"{fn!r}) if it is a policy.") if who == "amp" else ""
+  raise TypeError(f"{who}: {arg} must be a callable ({what}), got "
+                  f"{describe(fn)}.{hint}")
+
+
+def require_transformation(tx: Any, who: str, arg: str = "transform") -> None:
+  """Raises a `TypeError` unless ``tx`` has optax's ``init`` and ``update``.
+
+  >>> import optax
+  >>> require_transformation(optax.adam, "skip_nonfinite")  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  TypeError: skip_nonfinite: transform must be an optax GradientTransformation (an object with init and update methods, e.g. optax.adam(1e-3)), got <function adam at ...> (function). It is a function that makes one: call it, e.g. optax.adam(1e-3).
+  """
+  if all(callable(getattr(tx, m, None)) for m in ("init", "update")):
+    return
+  hint = (" It is a function that makes one: call it, e.g. optax.adam(1e-3)."
+          if callable(tx) else "")
+  raise TypeError(
+      f"{who}: {arg} must be an optax GradientTransformation (an object "
+      "with init and update methods, e.g. optax.adam(1e-3)), got "
+      f"{describe(tx)}.{hint}")

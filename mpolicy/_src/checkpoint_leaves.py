@@ -1,0 +1,187 @@
+"""The leaves of a checkpoint: what each one is, how it is written, how
+it comes back.
+
+A leaf is a JAX array (typed PRNG keys included), a numpy array or
+scalar, or a Python number; a template may also hold
+`jax.ShapeDtypeStruct`s. Numpy values and Python numbers are host values:
+the checkpoint's metadata names their kind, so that a template that only
+knows shapes (`jax.eval_shape`'s) gets them back as they were saved.
+
+In a run of several processes, a leaf that each process holds whole (a
+host value, or a JAX array on the process's own devices, such as a loss
+scale made with `jnp` before the first step) is one value that every
+process must agree on: `digest` compares them, and `to_global` makes such
+an array one global array, replicated on every device, that orbax writes
+once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NUMBERS = (bool, int, float)
+
+
+def is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
+  """`(dtype, shape)` of a leaf; a `TypeError` naming it if unsupported."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
+                       *_NUMBERS)):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:  # A Python number: the dtype JAX gives it.
+      dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
+    return str(dtype), [int(d) for d in np.shape(leaf)]
+  raise TypeError(
+      f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
+      "holds arrays (jax or numpy, any dtype, typed PRNG keys included), "
+      "jax.ShapeDtypeStruct (in a template) and Python numbers.")
+
+
+def flatten(tree: Any, what: str):
+  """`({keystr: leaf}, {keystr: (dtype, shape)}, treedef)`."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  flat, described = {}, {}
+  for path, leaf in leaves:
+    key = jax.tree_util.keystr(path)
+    if key in flat:
+      raise ValueError(f"{what}: two leaves share the path {key!r}; give "
+                       "them distinct keys.")
+    described[key] = describe(key, leaf, what)
+    flat[key] = leaf
+  return flat, described, treedef
+
+
+def host_kind(leaf: Any) -> Optional[str]:
+  """How a host value was saved: numpy array or scalar, or which number."""
+  if isinstance(leaf, np.ndarray):
+    return "ndarray"
+  if isinstance(leaf, np.generic):
+    return "generic"
+  if isinstance(leaf, _NUMBERS):
+    return type(leaf).__name__
+  return None
+
+
+def held_whole(leaf: Any) -> bool:
+  """Whether each process holds the whole leaf (in a multi-process run)."""
+  if isinstance(leaf, jax.Array):
+    return leaf.is_fully_addressable
+  return host_kind(leaf) is not None
+
+
+def digest(leaf: Any) -> str:
+  """A digest of a leaf's dtype, shape and bytes (a key's data and impl)."""
+  extra = ""
+  if is_key(leaf):
+    extra = str(jax.random.key_impl(leaf))
+    leaf = jax.random.key_data(leaf)
+  data = np.ascontiguousarray(np.asarray(leaf))
+  h = hashlib.sha256(f"{data.dtype}{data.shape}{extra}".encode())
+  h.update(data.tobytes())
+  return h.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=None)
+def replicated() -> jax.sharding.NamedSharding:
+  """Every device of the run holds the whole value."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def to_global(leaf: jax.Array) -> jax.Array:
+  """A leaf each process holds whole, as one array on every device."""
+  sharding = replicated()
+  mine = [d for d in sharding.mesh.devices.flat
+          if d.process_index == jax.process_index()]  # In the mesh's order.
+  shards = [jax.device_put(leaf, d) for d in mine]
+  return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
+
+
+def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
+  """Whether a host value saved in `saved_dtype` cannot fill the abstract
+  template leaf (whose dtype JAX canonicalized: float64 -> float32 without
+  x64)."""
+  want = np.dtype(template.dtype)
+  return jax.dtypes.canonicalize_dtype(np.dtype(saved_dtype)) != want
+
+
+def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
+                   saved_sharding: Callable[[], Any]) -> Any:
+  """What orbax restores `leaf` from: its shape, dtype and sharding.
+
+  A `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
+  where that is None, `replicated()`.
+  """
+  if isinstance(leaf, np.generic):
+    return np.asarray(leaf)
+  if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+    if kind is not None:
+      return np.zeros(leaf.shape, np.dtype(saved_dtype))  # Back as saved.
+    struct = lambda s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                            sharding=s,
+                                            weak_type=leaf.weak_type)
+    try:
+      return struct(saved_sharding() or replicated())
+    except ValueError:  # Saved for another rank (orbax pads scalars' specs).
+      return struct(replicated())
+  if isinstance(leaf, jax.Array):
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+  return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
+
+
+def _as_saved(value: Any, kind: str) -> Any:
+  value = np.asarray(value)
+  if kind == "ndarray":
+    return value
+  if kind == "generic":
+    return value[()]
+  return {"bool": bool, "int": int, "float": float}[kind](value.item())
+
+
+def _uncommitted(x: jax.Array) -> jax.Array:
+  """`x` as a fresh `jnp` array is: on the default device, free to move
+  beside sharded arguments of `jit`."""
+  if is_key(x):
+    return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
+                                    impl=jax.random.key_impl(x))
+  return jnp.asarray(np.asarray(x))
+
+
+def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
+  """The restored leaf, of the kind the template leaf is."""
+  if isinstance(template, _NUMBERS):
+    return type(template)(np.asarray(restored).item())
+  if isinstance(template, np.generic):
+    return np.asarray(restored)[()]
+  if isinstance(template, np.ndarray):
+    return np.asarray(restored)
+  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
+      and kind is not None):
+    return _as_saved(restored, kind)
+  sharding = getattr(template, "sharding", None)
+  if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
+    restored = jnp.asarray(restored, template.dtype)
+    if sharding is not None:
+      restored = jax.device_put(restored, sharding)
+  if (isinstance(template, jax.Array) and not template.committed
+      and jax.device_count() > 1):
+    restored = _uncommitted(restored)
+  if (getattr(template, "weak_type", False) and restored.ndim == 0
+      and not is_key(restored)):
+    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed,
+    # so it promotes as the saved one did.
+    weak = jnp.asarray(np.asarray(restored).item())
+    if weak.dtype == restored.dtype:
+      restored = (jax.device_put(weak, restored.sharding) if restored.committed
+                  else weak)
+  return restored

@@ -1,0 +1,372 @@
+"""JAX's next-generation higher-order primitives (``call_hi_primitive``).
+
+With ``jax_scan3``, ``jax_remat3``, ``jax_custom_vjp3`` or
+``jax_custom_jvp3`` on (JAX 0.10 has the first three, 0.12 all four),
+`lax.scan`, `jax.checkpoint`, `jax.custom_vjp` and `jax.custom_jvp` stage one
+primitive, ``call_hi_primitive``, whose one param ``_prim`` is an object of
+a class per construct (``Scan3``, ``RematTraced``, ``CustomVJPTraced``,
+``CustomJVPTraced``, ``CheckpointName``, ...). The object holds the
+sub-computations as attributes: an open or closed jaxpr, a `Traced` (a
+traced function with its jaxpr), Python rule functions. A scan's carry is
+a mutable reference (``new_ref`` before the loop, ``get``/``swap`` in its
+body) rather than an operand and a result.
+
+Here each construct is read and rebuilt around a new jaxpr, whichever form
+the installed JAX uses (open jaxprs in 0.12, closed ones in 0.10; different
+constructor arguments): the rest of mpolicy asks for a construct's
+``kind``, its body as a closed jaxpr, and a rebuilt object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import functools
+import importlib
+import inspect
+import types
+from typing import Any, Optional
+
+import jax
+from jax.extend import core as jex_core
+
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import stages as _stages
+from jax._src.interpreters import partial_eval as _pe
+
+from mpolicy._src.jax_compat import internals as _i
+
+
+def _optional_attr(module_name: str, attr: str):
+  """``module_name.attr``, or None where this JAX lacks either."""
+  try:
+    return getattr(importlib.import_module(module_name), attr, None)
+  except ImportError:
+    return None
+
+
+_hijax_module = _optional_attr("jax._src", "hijax")
+call_hi_primitive_p = getattr(_hijax_module, "call_hi_primitive_p", None)
+
+# The construct classes, by the kind mpolicy gives them (absent ones, from an
+# older JAX, are left out).
+_KINDS = {
+    cls: kind for cls, kind in (
+        (_optional_attr("jax._src.lax.control_flow.loops", "Scan3"), "scan"),
+        (_optional_attr("jax._src.ad_checkpoint", "RematTraced"), "remat"),
+        (_optional_attr("jax._src.hijax", "CustomVJPTraced"), "custom_vjp"),
+        (_optional_attr("jax._src.hijax", "CustomJVPTraced"), "custom_jvp"),
+        (_optional_attr("jax._src.ad_checkpoint", "CheckpointName"),
+         "checkpoint_name"),
+        (_optional_attr("jax._src.ad_checkpoint", "CheckpointNameFwd"),
+         "checkpoint_name"),
+    ) if cls is not None}
+
+_HI_BASES = tuple(c for c in (_optional_attr("jax._src.hijax", "HiPrim"),
+                              _optional_attr("jax._src.hijax", "VJPHiPrimitive"))
+                  if c is not None)
+
+KINDS = frozenset(_KINDS.values())
+"""The kinds of construct mpolicy knows (``"scan"``, ``"remat"``, ...)."""
+
+
+def hi_object(eqn) -> Optional[Any]:
+  """The construct a ``call_hi_primitive`` equation applies, else None."""
+  if call_hi_primitive_p is None or eqn.primitive is not call_hi_primitive_p:
+    return None
+  return eqn.params["_prim"]
+
+
+def kind(obj) -> Optional[str]:
+  """``"scan"``, ``"remat"``, ``"custom_vjp"``, ``"custom_jvp"``,
+  ``"checkpoint_name"``, or None for a construct mpolicy does not know."""
+  return _KINDS.get(type(obj))
+
+
+def name(obj) -> str:
+  """The construct's class name (``Scan3``, ``RematTraced``, ...)."""
+  return type(obj).__name__
+
+
+def is_construct(value) -> bool:
+  return bool(_HI_BASES) and isinstance(value, _HI_BASES)
+
+
+def construct_params(obj) -> dict:
+  """The construct's own params (its sub-computations among them)."""
+  return dict(getattr(obj, "params", {}))
+
+
+def bind(obj, args) -> list:
+  """Applies the construct ``obj`` to ``args`` (flat operands)."""
+  return list(call_hi_primitive_p.bind(*args, _prim=obj))
+
+
+def _rebuild(obj, **changes):
+  """A new object of ``obj``'s class: its constructor's arguments taken from
+  ``changes``, else from ``obj`` (its params, or attributes)."""
+  aliases = {"sym_zeros": "symbolic_zeros"}
+  params = construct_params(obj)
+  kwargs = {}
+  for arg in list(inspect.signature(type(obj).__init__).parameters)[1:]:
+    if arg in changes:
+      kwargs[arg] = changes[arg]
+    elif arg in params:
+      kwargs[arg] = params[arg]
+    elif aliases.get(arg) in params:
+      kwargs[arg] = params[aliases[arg]]
+    elif hasattr(obj, arg):
+      kwargs[arg] = getattr(obj, arg)
+  return type(obj)(**kwargs)
+
+
+def _closed(jaxpr) -> jex_core.ClosedJaxpr:
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    return jaxpr
+  return jex_core.ClosedJaxpr(jaxpr, ())
+
+
+def _open_like(old, closed: jex_core.ClosedJaxpr):
+  """``closed`` with its consts turned into leading invars, in the form
+  (open or closed) ``old`` had, and the consts."""
+  jaxpr, consts = _i.open_jaxpr_with_consts_first(closed)
+  if isinstance(old, jex_core.ClosedJaxpr):
+    return jex_core.ClosedJaxpr(jaxpr, ()), consts
+  return jaxpr, consts
+
+
+# --- Scan3: a loop whose carry lives in references ---------------------------
+
+
+def scan_body(obj) -> jex_core.ClosedJaxpr:
+  """The body of a ``Scan3``: one iteration, its carries as references, its
+  consts and the slices of its scanned inputs as operands."""
+  return _closed(obj.jaxpr)
+
+
+def scan_rebuild(obj, body: jex_core.ClosedJaxpr) -> tuple[Any, list]:
+  """A ``Scan3`` running ``body``; its consts become leading operands (not
+  scanned over). Returns the new object and the consts to prepend."""
+  jaxpr, consts = _open_like(obj.jaxpr, body)
+  extensives = [False] * len(consts) + list(obj.extensives)
+  new = _rebuild(obj, jaxpr=jaxpr, extensives=extensives)
+  if not new.effects:
+    # The loop writes its carries' references: effects on its operands.
+    # JAX 0.12's Scan3 does not declare them, so `jit` drops a loop whose
+    # results are only in those references (a `fori_loop`) as dead code,
+    # and the carries come back as they entered. Declared here, it stays.
+    new.effects = frozenset(_core.positional_effects(getattr(jaxpr, "jaxpr",
+                                                             jaxpr)))
+  return new, consts
+
+
+# --- RematTraced: jax.checkpoint --------------------------------------------
+
+
+def remat_body(obj) -> jex_core.ClosedJaxpr:
+  return _closed(obj.jaxpr)
+
+
+def remat_rebuild(obj, body: jex_core.ClosedJaxpr) -> tuple[Any, list]:
+  """A ``RematTraced`` running ``body`` (policy kept); its consts become
+  leading operands. Returns the new object and the consts to prepend."""
+  jaxpr, consts = _open_like(obj.jaxpr, body)
+  changes = {"jaxpr": jaxpr}
+  prevent_cse = construct_params(obj).get("prevent_cse")
+  if isinstance(prevent_cse, tuple):
+    changes["prevent_cse"] = (False,) * len(consts) + prevent_cse
+  return _rebuild(obj, **changes), consts
+
+
+def remat_policy(obj):
+  return construct_params(obj).get("policy")
+
+
+# --- CustomVJPTraced / CustomJVPTraced ----------------------------------------
+
+
+def custom_primal(obj) -> Optional[jex_core.ClosedJaxpr]:
+  """The primal function's jaxpr of a custom_vjp/custom_jvp construct."""
+  traced = construct_params(obj).get("traced")
+  return getattr(traced, "jaxpr", None)
+
+
+def _traced_with(traced, jaxpr: jex_core.ClosedJaxpr):
+  """``traced`` (a `jax.stages.Traced`) with another jaxpr of the same
+  argument and result structure."""
+  args = [list(jaxpr.in_avals), dict(traced._params, jaxpr=jaxpr),  # pylint: disable=protected-access
+          traced._in_tree, traced.out_tree, traced._consts]  # pylint: disable=protected-access
+  if "_fun_sourceinfo" in _stages.Traced.__slots__:
+    args.append(traced._fun_sourceinfo)  # pylint: disable=protected-access
+  return _stages.Traced(*args)
+
+
+def custom_vjp_fwd(obj) -> Callable[..., Any]:
+  return construct_params(obj)["fwd"]
+
+
+def custom_vjp_rebuild(obj, primal: jex_core.ClosedJaxpr, fwd) -> Any:
+  """The custom_vjp construct with another primal jaxpr (same avals) and
+  forward rule; its backward rule is kept."""
+  traced = _traced_with(construct_params(obj)["traced"], primal)
+  return _rebuild(obj, traced=traced, fwd=fwd)
+
+
+def _jvp_rule_for(rule, traced):
+  """``rule`` (a ``CustomJVPTraced``'s) made again for ``traced``: JAX's
+  wrapper of the user's JVP function checks its outputs against the primal
+  function's result types, which change when the primal is re-typed. A
+  rule JAX derived otherwise (under `vmap`) is returned as it is."""
+  make = getattr(_hijax_module, "_custom_jvp_rule", None)
+  code = getattr(rule, "__code__", None)
+  if make is None or code is None or not rule.__qualname__.startswith(
+      "_custom_jvp_rule."):
+    return rule
+  cells = dict(zip(code.co_freevars,
+                   (c.cell_contents for c in rule.__closure__ or ())))
+  try:
+    remade = make(traced, cells["jvp_fun"], cells["symbolic_zeros"],
+                  cells["static_argnums"])
+  except (KeyError, TypeError):
+    return rule
+  return keep_name(remade, rule)
+
+
+def custom_jvp_rebuild(obj, primal: jex_core.ClosedJaxpr, wrap) -> Any:
+  """The custom_jvp construct with another primal jaxpr (its operands'
+  dtypes may differ) and JVP rule ``wrap(rule)``, ``rule`` being its JVP
+  rule made for the new primal's result types."""
+  params = construct_params(obj)
+  traced = _traced_with(params["traced"], primal)
+  in_avals = jax.tree_util.tree_unflatten(obj.in_tree, list(primal.in_avals))
+  rule = _jvp_rule_for(params["jvp_rule"], traced)
+  return _rebuild(obj, traced=traced, jvp_rule=wrap(rule), in_avals=in_avals)
+
+
+def checkpoint_name_rebuild(obj, aval) -> Any:
+  """A ``CheckpointName`` for a value of ``aval`` (same name)."""
+  return _rebuild(obj, aval=aval)
+
+
+# --- What a construct carries -------------------------------------------------
+
+
+def jaxprs_in_params(params) -> list:
+  """The jaxprs (open or closed) found in an equation's params, those a
+  next-generation construct (``call_hi_primitive``'s object) holds
+  included."""
+  found = []
+  for value in params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        found.append(v)
+      elif is_construct(v):
+        found.extend(jaxprs_in(v))
+  return found
+
+
+def jaxprs_in(obj) -> list:
+  """The jaxprs (open or closed) a construct holds, nested ones included."""
+  found = []
+  for value in construct_params(obj).values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        found.append(v)
+      elif isinstance(v, _stages.Traced):
+        found.append(v.jaxpr)
+      elif is_construct(v):
+        found.extend(jaxprs_in(v))
+  return found
+
+
+def is_sub_computation(value) -> bool:
+  """Whether a param value is, or produces, a computation of its own: a
+  jaxpr, a traced function, a thunk that traces one (a linear_util
+  function, as custom derivatives hold their rules), or a construct
+  holding any of these or a rule function.
+
+  A plain function in a first-order primitive's params is not one (a PRNG
+  implementation's, a host callback's Python code: the callbacks are
+  kernels, see `internals.KERNEL_PRIMITIVES`).
+  """
+  if isinstance(value, (jex_core.Jaxpr, jex_core.ClosedJaxpr, _stages.Traced,
+                        _lu.WrappedFun)):
+    return True
+  if is_construct(value):
+    return any(is_sub_computation(v) or (callable(v) and not isinstance(v, type))
+               for v in _flat(construct_params(value)))
+  return False
+
+
+def _flat(params) -> list:
+  out = []
+  for value in params.values():
+    out.extend(value if isinstance(value, (tuple, list)) else (value,))
+  return out
+
+
+def sub_computations(params) -> list:
+  """The param values of an equation that are, or produce, computations
+  (see `is_sub_computation`)."""
+  return [v for v in _flat(params) if is_sub_computation(v)]
+
+
+# --- Running a Python rule through an interpreter -----------------------------
+
+
+def _dynamic(x) -> bool:
+  return isinstance(x, (jax.Array, _i.Tracer))
+
+
+def trace_rule(fn, args: Sequence[Any]):
+  """Traces ``fn(*args)`` (a custom rule of JAX's: pytrees in and out, some
+  leaves static) into a closed jaxpr over its array leaves.
+
+  Returns:
+    ``(closed, dynamic, finish)``: the jaxpr; the array leaves of ``args``
+    (its operands); and ``finish(outs)``, which puts the jaxpr's outputs
+    back into the result's structure (with its static leaves).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  which = [_dynamic(x) for x in leaves]
+  dynamic = [x for x, d in zip(leaves, which) if d]
+  out_cell = []
+
+  def flat_fn(*dyn):
+    it = iter(dyn)
+    full = [next(it) if d else x for x, d in zip(leaves, which)]
+    result = fn(*jax.tree_util.tree_unflatten(treedef, full))
+    out_leaves, out_tree = jax.tree_util.tree_flatten(result)
+    out_which = [_dynamic(x) for x in out_leaves]
+    out_cell.append((out_leaves, out_tree, out_which))
+    return [x for x, d in zip(out_leaves, out_which) if d]
+
+  debug = jex_core.DebugInfo(
+      "mpolicy rule", getattr(fn, "__name__", "rule"),
+      tuple(f"a{i}" for i in range(len(dynamic))), None)
+  wrapped = _lu.wrap_init(flat_fn, debug_info=debug)
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+      wrapped, [jax.typeof(x) for x in dynamic])
+  closed = jex_core.ClosedJaxpr(jaxpr, consts)
+  out_leaves, out_tree, out_which = out_cell[-1]
+
+  def finish(outs):
+    it = iter(outs)
+    full = [next(it) if d else x for x, d in zip(out_leaves, out_which)]
+    return jax.tree_util.tree_unflatten(out_tree, full)
+
+  finish.out_dynamic = out_which
+  return closed, dynamic, finish
+
+
+def eval_closed(closed: jex_core.ClosedJaxpr, args) -> list:
+  """Evaluates a closed jaxpr on ``args`` where this is called."""
+  return list(jex_core.jaxpr_as_fun(closed)(*args))
+
+
+def keep_name(fn, like):
+  """``fn`` under the name (and docs) of ``like``: JAX prints rule names."""
+  return functools.update_wrapper(fn, like) if isinstance(
+      like, types.FunctionType) else fn
+
+

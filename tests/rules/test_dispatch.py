@@ -1,0 +1,79 @@
+"""The order in which one primitive's rules are looked up, through any table
+that is a `RuleTable` (here a small one of the test's own, not an
+`OpRules`): a custom rule, then the primitive's special rule, then its
+class; inside `full_precision()` only the code as written."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mpolicy
+from mpolicy._src import interpreter
+from mpolicy._src import recording
+from mpolicy._src import regions
+from mpolicy._src.rules import dispatch
+from mpolicy._src.rules import fp8_placement
+
+F16 = regions.Region(policy=mpolicy.get_policy("p=f32,c=f16,o=f32"),
+                     decided_by="the test")
+
+
+@dataclasses.dataclass
+class Table:
+  """A `RuleTable`: classes, reasons and custom rules by primitive name."""
+  classes: dict = dataclasses.field(default_factory=dict)
+  rules: dict = dataclasses.field(default_factory=dict)
+  fp8: fp8_placement.Fp8Options = fp8_placement.Fp8Options()
+
+  def class_of(self, name):
+    return self.classes.get(name, (None,))[0]
+
+  def reason_of(self, name):
+    return self.classes.get(name, (None, None))[1]
+
+  def rule_of(self, name):
+    return self.rules.get(name)
+
+
+def _run_exp(table, region=F16):
+  """``exp`` of a float16 array run by `dispatch.run`: (output, row)."""
+  x = jnp.linspace(0, 1, 4, dtype=jnp.float16)
+  (eqn,) = jax.make_jaxpr(jnp.exp)(x).jaxpr.eqns
+  with recording.recording() as rows:
+    (out,) = dispatch.run(interpreter.Env(), eqn, [x], table, region, ())
+  (row,) = rows
+  return out, row
+
+
+def test_the_class_the_table_gives_decides():
+  out, row = _run_exp(Table(classes={"exp": ("full", "a reason")}))
+  assert out.dtype == jnp.float32
+  assert (row.rule, row.decided_by) == ("full", "full: a reason")
+  out, row = _run_exp(Table())
+  assert out.dtype == jnp.float16
+  assert row.rule == "inputs"
+
+
+def test_a_custom_rule_of_the_table_comes_before_the_class():
+  def exp_plus_one(policy, x, **params):
+    del params
+    assert str(policy) == "p=f32,c=f16,o=f32"
+    return jnp.exp(x.astype(jnp.float32)) + 1
+
+  table = Table(classes={"exp": ("full", "a reason")},
+                rules={"exp": exp_plus_one})
+  out, row = _run_exp(table)
+  np.testing.assert_allclose(out, np.exp(np.linspace(0, 1, 4)) + 1,
+                             rtol=1e-3)
+  assert row.rule == "custom"
+
+
+def test_inside_full_precision_the_code_runs_as_written():
+  table = Table(classes={"exp": ("full", "a reason")},
+                rules={"exp": lambda policy, x, **params: x})
+  out, row = _run_exp(table, regions.FULL_PRECISION)
+  assert out.dtype == jnp.float16
+  np.testing.assert_allclose(out, np.exp(np.linspace(0, 1, 4)), rtol=1e-3)
+  assert row.rule == "as written"

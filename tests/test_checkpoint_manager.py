@@ -1,0 +1,81 @@
+"""Specification of CheckpointManager: the last N steps of a training loop."""
+
+import os
+
+import jax.numpy as jnp
+import pytest
+
+import mpolicy
+
+
+def _tree(step):
+  return {"w": jnp.full(3, step, jnp.bfloat16),
+          "loss_scale": mpolicy.DynamicLossScale(2. ** 10, period=7)}
+
+
+def test_keeps_the_newest_steps_and_restores_the_latest(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path / "run", max_to_keep=2)
+  assert manager.all_steps() == [] and manager.latest_step() is None
+  for step in (10, 20, 30, 40):
+    manager.save(step, _tree(step))
+  assert manager.all_steps() == [30, 40]
+  assert manager.latest_step() == 40
+  assert sorted(os.listdir(tmp_path / "run")) == ["step_30", "step_40"]
+  restored = manager.restore(_tree(0))
+  assert restored["w"].dtype == jnp.bfloat16
+  assert restored["w"].tolist() == [40.] * 3
+  assert restored["loss_scale"].period == 7
+  assert manager.restore(_tree(0), step=30)["w"].tolist() == [30.] * 3
+
+
+def test_keeps_every_step_when_asked(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path, max_to_keep=None)
+  for step in (3, 1, 2):
+    manager.save(step, _tree(step))
+  assert manager.all_steps() == [1, 2, 3]
+
+
+def test_a_step_is_saved_once_unless_overwritten(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path)
+  manager.save(5, _tree(5))
+  with pytest.raises(FileExistsError, match="overwrite=True"):
+    manager.save(5, _tree(6))
+  manager.save(5, _tree(6), overwrite=True)
+  assert manager.restore(_tree(0))["w"].tolist() == [6.] * 3
+
+
+def test_what_an_interrupted_prune_left_is_never_listed_and_goes(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path, max_to_keep=1)
+  (tmp_path / ".step_1.deleting").mkdir()
+  (tmp_path / ".step_2.x.mpolicy-tmp").mkdir()  # A save in progress.
+  assert manager.all_steps() == []
+  manager.save(3, _tree(3))
+  assert sorted(os.listdir(tmp_path)) == [".step_2.x.mpolicy-tmp", "step_3"]
+
+
+def test_nothing_saved_yet_is_named(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="no checkpoint in .*empty"):
+    manager.restore(_tree(0))
+  with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+    manager.restore(_tree(0), step=3)
+
+
+@pytest.mark.parametrize("max_to_keep, error", [
+    (0, ValueError), (-2, ValueError), ("3", TypeError), (True, TypeError),
+    (2.0, TypeError)])
+def test_bad_settings_are_named(tmp_path, max_to_keep, error):
+  with pytest.raises(error, match="max_to_keep must be a whole number >= 1, "
+                     "or None to keep every step; got"):
+    mpolicy.CheckpointManager(tmp_path, max_to_keep=max_to_keep)
+  with pytest.raises(TypeError, match="directory must be a path"):
+    mpolicy.CheckpointManager(None)
+
+
+@pytest.mark.parametrize("step, error", [
+    (-1, ValueError), (1.5, TypeError), ("7", TypeError), (True, TypeError)])
+def test_a_bad_step_is_named(tmp_path, step, error):
+  manager = mpolicy.CheckpointManager(tmp_path)
+  with pytest.raises(error, match=r"step must be a whole number >= 0; got"):
+    manager.save(step, _tree(0))
+  assert os.listdir(tmp_path) == []
