@@ -51,9 +51,12 @@ flags.DEFINE_enum("fp8_matmuls", "all", ["all", "weights"],
                   "(OpRules.with_fp8(matmuls=...)).")
 flags.DEFINE_enum("island_dtype", "float32", ["float32", "bfloat16"],
                   "The dtype the islands compute in.")
-flags.DEFINE_float("tolerance", 0.05,
+flags.DEFINE_float("tolerance", 0.1,
                    "The relative error suggest_policy allows for the loss and "
-                   "its gradients (against float32).")
+                   "its gradients (against float32). Float16 gradients of "
+                   "this model differ from float32's by several percent "
+                   "where training does not suffer: 0.05 buys islands that "
+                   "do not change the loss curve.")
 flags.DEFINE_integer("max_evals", 16,
                      "How many times suggest_policy may run the loss.")
 flags.DEFINE_integer("rounds", 3,
@@ -126,7 +129,8 @@ def merged(a: mpolicy.PolicySuggestion,
       b, float32_paths=a.float32_paths + tuple(p for p, _ in new),
       reasons=a.reasons + tuple(why for _, why in new),
       kept=tuple(sorted(set(a.kept) | set(b.kept))),
-      evals=a.evals + b.evals, before=a.before)
+      evals=a.evals + b.evals, max_evals=a.max_evals + b.max_evals,
+      before=a.before)
 
 
 def main() -> None:

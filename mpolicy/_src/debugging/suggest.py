@@ -11,8 +11,10 @@ run once). The search:
 2. While the loss or the gradients are further than the tolerance from
    float32, the modules that add the most error of their own (the error of
    their outputs less that of what they read, from the last run's
-   `shadow` rows) become islands: 1, then 2, 4, ... at a time, re-ranked
-   after each run.
+   `shadow` rows) per share of the matmul FLOPs they would take out of half
+   become islands: 1, then 2, 4, ... at a time, re-ranked after each run.
+   A norm that adds as much error as a projection goes first: it costs
+   almost nothing in float32.
 3. With evaluations left, each island the second step added is dropped in
    turn, least useful first, where the rest stays within the tolerance.
 
@@ -212,15 +214,22 @@ class PolicySuggestion:
     return "\n".join(out)
 
 
-def _why(row) -> str:
-  """Why a module was chosen: the error it adds, in which pass."""
+# An island's cost is the share of matmul FLOPs its own ops make, plus
+# this floor: a module without matmuls (a norm, a softmax) is cheap, not
+# free, so the error it adds still has to count.
+_FLOOR = 0.01
+
+
+def _why(row, share: float) -> str:
+  """Why a module was chosen: the error it adds, in which pass, and the
+  share of matmul FLOPs its own ops make."""
   passes = (("forward", row.rel_error, row.input_rel_error),
             ("backward", row.backward_rel_error, row.backward_input_rel_error))
   name, out, inp = max(
       passes, key=lambda p: -1.0 if p[1] is None else p[1] - (p[2] or 0.0))
   return (f"adds {out - (inp or 0.0):.1e} relative error in the {name} pass "
           f"({inp or 0.0:.1e} in what it is handed, {out:.1e} in what it "
-          f"hands on)")
+          f"hands on); {100 * share:.1f}% of matmul FLOPs")
 
 
 class _Search:
@@ -269,16 +278,25 @@ class _Search:
         flops.half_fraction(run.jaxpr.jaxpr), first), run
 
   def ranked(self, run, islands) -> list[tuple[str, float, Any]]:
-    """Modules not yet islands, by the error they add, largest first."""
+    """Modules not yet islands, by the error they add per share of the
+    matmul FLOPs they would take out of half, largest first.
+
+    Returns:
+      ``(path, why)`` pairs.
+    """
     report = shadow.report_of(self.call, run, self.reference, True)
+    own = flops.by_module(run.jaxpr.jaxpr, run.sites)
+    total = sum(own.values()) or 1
     found = []
     for row in report.rows:
       if not row.path or row.path in islands:
         continue
       added = row.added()
       if added > 0:  # inf: it makes a non-finite value of finite ones.
-        found.append((row.path, added, row))
-    return sorted(found, key=lambda t: -t[1])
+        share = own.get(row.path, 0) / total
+        found.append((added / (share + _FLOOR), row.path, _why(row, share)))
+    return [(path, why) for _, path, why in
+            sorted(found, key=lambda t: -t[0])]
 
 
 def _check(policy, tolerance, max_evals, island_dtype) -> tuple:
@@ -382,9 +400,9 @@ def suggest_policy(fn: Callable[..., Any], *args, policy=None,
     ranked = search.ranked(run, islands)
     if not ranked:
       break
-    for path, added, row in ranked[:k]:
+    for path, why in ranked[:k]:
       islands.append(path)
-      reasons[path] = _why(row)
+      reasons[path] = why
     now, run = search.measure(islands)
     k *= 2
   if now.within(tolerance):
