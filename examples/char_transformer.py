@@ -69,6 +69,12 @@ flags.DEFINE_integer("d_model", 64, "Width of the residual stream.")
 flags.DEFINE_integer("num_heads", 4, "Attention heads per block.")
 flags.DEFINE_integer("num_layers", 2, "Number of transformer blocks.")
 flags.DEFINE_bool("remat", True, "Wrap each block in hk.remat.")
+flags.DEFINE_bool(
+    "debug_nonfinite", False,
+    "When a step is skipped (its gradients were not finite), print where "
+    "the first non-finite value appeared (mpolicy.locate_nonfinite on that "
+    "batch, with that step's loss scale), for the first "
+    f"{3} skipped steps.")
 flags.DEFINE_integer(
     "microbatches", 1, "Split each batch into this many microbatches and "
     "accumulate their gradients (1: no accumulation); divides --batch_size.")
@@ -186,8 +192,13 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
           attention_policy: str = "", scale_type: str = "NoOp",
           scale_value: float = 2.0**15, steps: int = 300, batch_size: int = 32,
           learning_rate: float = 3e-3, seed: int = 0,
-          log_every: int = 50, microbatches: int = 1) -> mp_report.Run:
-  """Trains the LM under the given policies; returns the run's record."""
+          log_every: int = 50, microbatches: int = 1,
+          debug_nonfinite: bool = False) -> mp_report.Run:
+  """Trains the LM under the given policies; returns the run's record.
+
+  With `debug_nonfinite`, a skipped step prints `mpolicy.locate_nonfinite`'s
+  report for its batch and loss scale (the first few skipped steps).
+  """
   name = mp_report.label(policy, scale_type)
   if attention_policy:
     name += "+attn:" + mp_report.label(attention_policy)
@@ -211,7 +222,9 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
       optimizer = optax.adam(learning_rate)
       accumulating = jax.jit(mpolicy.make_train_step(
           lambda p, b: lm_loss(model.apply, p, b), optimizer, has_aux=True,
-          microbatches=microbatches), donate_argnums=(0, 1))
+          microbatches=microbatches),
+          # --debug_nonfinite reads a skipped step's params afterwards.
+          donate_argnums=() if debug_nonfinite else (0, 1))
 
       def train_step(params, opt_state, loss_scale, batch):  # pylint: disable=function-redefined
         out = accumulating(params, opt_state, loss_scale, batch)
@@ -225,11 +238,16 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
     opt_state = optimizer.init(params)
     loss_scale = mp_flags.make_loss_scale(scale_type, scale_value)
     log = mp_report.Log(name, steps, log_every)
+    reported = 0
     for i in range(steps):
       batch = windows(corpus.train, starts[i], config.seq_len)
+      before = params, loss_scale
       params, opt_state, loss_scale, loss, finite = train_step(
           params, opt_state, loss_scale, batch)
       log.record(loss, loss_scale.loss_scale, finite)
+      if debug_nonfinite and not finite and reported < DEBUG_REPORTS:
+        reported += 1
+        report_nonfinite(model.apply, i, batch, *before)
 
     metrics = evaluate(model.apply, params, corpus, config.seq_len)
     metrics["final loss"] = float(np.mean(log.loss[-10:]))
@@ -237,6 +255,20 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
         model.apply, params, None, windows(corpus.test, np.zeros(2, int),
                                            config.seq_len)[:, :-1])
   return mp_report.Run(name, policy, scale_type, metrics, log, explained)
+
+
+DEBUG_REPORTS = 3  # Skipped steps `--debug_nonfinite` reports on.
+
+
+def report_nonfinite(apply, step: int, batch, params, loss_scale) -> None:
+  """Prints where step `step`'s first non-finite value appeared."""
+  report = mpolicy.locate_nonfinite(
+      lambda p, b: lm_loss(apply, p, b)[0], params, batch,
+      loss_scale=loss_scale)
+  print(f"step {step + 1} was skipped: "
+        + (str(report) if report is not None else
+           "this batch is finite when run op by op (XLA's fused code "
+           "differs)"), flush=True)
 
 
 def load_corpus_from_flags(seq_len: int) -> Corpus:
@@ -259,7 +291,8 @@ def main() -> None:
         f"{jax.default_backend()}")
   settings = dict(steps=FLAGS.steps, batch_size=FLAGS.batch_size,
                   learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-                  log_every=FLAGS.log_every, microbatches=FLAGS.microbatches)
+                  log_every=FLAGS.log_every, microbatches=FLAGS.microbatches,
+                  debug_nonfinite=FLAGS.debug_nonfinite)
   runs = []
   if FLAGS.compare:
     runs.append(train(corpus, config, policy="full", **settings))

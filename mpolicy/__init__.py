@@ -50,6 +50,13 @@ from mpolicy._src.explain import Report
 from mpolicy._src.fp8_stats import Fp8Report
 from mpolicy._src.fp8_stats import fp8_stats
 
+from mpolicy._src.debugging.locate import locate_nonfinite
+from mpolicy._src.debugging.locate import NonFiniteReport
+from mpolicy._src.debugging.shadow import compare_to_float32
+from mpolicy._src.debugging.shadow import ShadowReport
+from mpolicy._src.debugging.suggest import PolicySuggestion
+from mpolicy._src.debugging.suggest import suggest_policy
+
 from mpolicy._src.training.scaling import scaled_value_and_grad
 from mpolicy._src.training.attribution import nonfinite_flags
 from mpolicy._src.training.attribution import nonfinite_paths
@@ -130,10 +137,13 @@ __all__ = (
     "LossScale",
     "MasterWeightsState",
     "NoOpLossScale",
+    "NonFiniteReport",
     "OpRules",
     "Policy",
     "PolicyExplanation",
+    "PolicySuggestion",
     "Report",
+    "ShadowReport",
     "SkipNonFiniteState",
     "StateDtypesState",
     "StaticLossScale",
@@ -148,6 +158,7 @@ __all__ = (
     "check_accumulation",
     "clear_policies",
     "clear_policy",
+    "compare_to_float32",
     "current_policy",
     "explain",
     "explain_policy",
@@ -158,6 +169,7 @@ __all__ = (
     "half_dtype",
     "init_master_weights",
     "keep_dtypes",
+    "locate_nonfinite",
     "make_train_step",
     "master_weights",
     "nonfinite_flags",
@@ -173,6 +185,7 @@ __all__ = (
     "skip_nonfinite",
     "stochastic_params",
     "stochastic_round",
+    "suggest_policy",
     "transform_amp",
     "transform_amp_with_state",
     "update_if_finite",

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
+from mpolicy._src import tables
 from mpolicy._src.rules import fp8_probe
 
 ROLES = ("lhs", "rhs", "cotangent")
@@ -81,12 +82,7 @@ class Fp8Report:
                       f"{100 * c.underflow_fraction:.3f}%",
                       f"{100 * c.saturated_fraction:.3f}%",
                       f"{c.scale_min:.3g} .. {c.scale_max:.3g}"))
-    widths = [max([len(h)] + [len(l[i]) for l in lines])
-              for i, h in enumerate(header)]
-    fmt = lambda cols: "  ".join(
-        c.ljust(w) for c, w in zip(cols, widths)).rstrip()
-    out = [fmt(header), fmt(tuple("-" * w for w in widths))]
-    out += [fmt(l) for l in lines]
+    out = [tables.text_table(header, lines)]
     out.append(f"{len(self.rows)} float8 op{'' if len(self.rows) == 1 else 's'}"
                + (f" ({self.note})" if self.note else ""))
     return "\n".join(out)

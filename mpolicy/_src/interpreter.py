@@ -33,6 +33,7 @@ from mpolicy._src import recording
 from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src import rules
+from mpolicy._src import sites
 from mpolicy._src import staged
 from mpolicy._src import sub_computations
 from mpolicy._src import widen
@@ -300,9 +301,10 @@ class Scope:
     call site throughout, so its result depends only on the policy there,
     not on which module calls it: a deep model's layers share one
     interpretation, and the one new jaxpr lets JAX's own caches hit too.
-    Nothing is shared while `explain` records (each site is a row).
+    Nothing is shared while `explain` records (each site is a row) or the
+    debugger tags sites (each is named).
     """
-    if recording.active() and not config.quiet:
+    if (recording.active() and not config.quiet) or sites.active():
       return None
     if not _unnamed(closed.jaxpr, config.unnamed_cache):
       return None
@@ -374,14 +376,25 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
     with jax_compat.eqn_context_under(base, eqn):
       rule = higher_order.rule_for(eqn.primitive)
       if rule is not None:
-        outs = rule(Scope(config, env, names, invals, eqn), eqn,
-                    invals)
+        with sites.site(eqn, names,
+                        config.region(names) if sites.active() else None,
+                        invals) as site:
+          outs = rule(Scope(config, env, names, invals, eqn), eqn,
+                      invals)
+          site.made(outs)
       else:
         region = config.region(names)
         if region is None or not region.full_precision:
           sub_computations.check(eqn, config.rules)
-        outs = rules.run(env, eqn, invals, config.rules, region, names,
-                               quiet=config.quiet)
+        with sites.site(eqn, names, region, invals) as site:
+          if site.in_float32:  # An op-level float32 island (the debugger's).
+            outs = site.run_in_float32(eqn, invals, env.cast, lambda ins: (
+                rules.run(env, eqn, ins, config.rules,
+                          regions.FULL_PRECISION, names, quiet=config.quiet)))
+          else:
+            outs = rules.run(env, eqn, invals, config.rules, region, names,
+                             quiet=config.quiet)
+          site.made(outs)
     for var, out in zip(eqn.outvars, outs):
       if not isinstance(var, jax_compat.DropVar):
         env.values[var] = out

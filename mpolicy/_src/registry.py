@@ -130,7 +130,8 @@ def _table_key(key: Key) -> Any:
   (``<locals>`` in the qualified name): a factory makes a new class per
   call, and these key by the class object so they do not share a policy.
   """
-  if isinstance(key, str) or "<locals>" in key.__qualname__:
+  if (isinstance(key, (str, _ClassKey))
+      or "<locals>" in key.__qualname__):
     return key
   return _ClassKey(key.__module__, key.__qualname__)
 
@@ -350,6 +351,26 @@ def push_policy(key: Key, policy: PolicyLike) -> Iterator[None]:
     yield
   finally:
     _REGISTRY.pop(token)
+
+
+@contextlib.contextmanager
+def push_everywhere(policy: PolicyLike) -> Iterator[None]:
+  """Pushes ``policy`` for every key in force on this thread (every module
+  policy, every pattern), like one `push_policy` per key.
+
+  >>> from mpolicy._src import registry
+  >>> with registry.push_policy("encoder", "p=f32,c=bf16,o=f32"):
+  ...   with registry.push_everywhere("full"):
+  ...     print(registry.snapshot()["encoder"])
+  p=f32,c=f32,o=f32
+  """
+  policy = _check_policy(policy)
+  tokens = [_REGISTRY.push(key, policy) for key in snapshot()]
+  try:
+    yield
+  finally:
+    for token in reversed(tokens):
+      _REGISTRY.pop(token)
 
 
 # --- Reading the table --------------------------------------------------------

@@ -134,6 +134,28 @@ def user_source(eqn) -> str:
                  for n in range(user.start_line, last + 1))
 
 
+def user_location(eqn, library_dirs: tuple[str, ...] = ()) -> str:
+  """``file:line`` of the innermost frame that made ``eqn`` outside JAX and
+  outside ``library_dirs`` (directory prefixes); ``""`` if unknown."""
+  traceback = getattr(eqn.source_info, "traceback", None)
+  if traceback is None:
+    return ""
+  for frame in traceback.frames:  # Innermost first.
+    name = frame.file_name
+    if (_siu_private.is_user_filename(name)
+        and not name.startswith(library_dirs)):
+      return f"{name}:{frame.line_num}"
+  return ""
+
+
+def eqn_transforms(eqn) -> tuple[str, ...]:
+  """The transforms recorded on an equation's name stack (``"jvp"``,
+  ``"transpose"``, ``"vmap"``, ...), outermost first."""
+  return tuple(entry.name
+               for entry in getattr(eqn.source_info.name_stack, "stack", ())
+               if isinstance(entry, _Transform))
+
+
 # --- Jaxpr types ------------------------------------------------------------
 
 # The class of every traced value (`jax.extend.core.Tracer` where it exists).
@@ -353,6 +375,13 @@ def trace_to_closed_jaxpr(fn, in_avals, like=None) -> ClosedJaxpr:
   return jex_core.ClosedJaxpr(jaxpr, consts)
 
 
+def eval_eagerly(closed: ClosedJaxpr, *args) -> list:
+  """Evaluates ``closed`` one equation at a time (each primitive dispatched
+  on its own, from JAX's per-primitive cache: nothing the size of the
+  program is compiled)."""
+  return list(jex_core.jaxpr_as_fun(closed)(*args))
+
+
 def open_jaxpr_with_consts_first(closed: ClosedJaxpr):
   """``(jaxpr, consts)``: the consts turned into leading invars."""
   return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
@@ -530,6 +559,8 @@ __all__ = [
     "DropVar",
     "eqn_context_under",
     "eqn_scope_names",
+    "eqn_transforms",
+    "eval_eagerly",
     "gather_p",
     "jit_p",
     "loaded_primitives",
@@ -552,6 +583,7 @@ __all__ = [
     "trace_to_closed_jaxpr",
     "Tracer",
     "AUTODIFF_TRACERS",
+    "user_location",
     "user_source",
     "varying_axes",
     "VERSION_SPECIFIC_PRIMITIVES",

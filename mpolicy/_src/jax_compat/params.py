@@ -71,6 +71,19 @@ def scan_counts(params) -> tuple[int, int]:
       f"in its params ({sorted(params)}); this JAX version is not supported")
 
 
+def scan_layout(params) -> tuple[int, int, int, bool]:
+  """``(n_consts, n_carry, length, reverse)`` of a `scan` equation's params.
+
+  >>> scan_layout({"num_consts": 0, "num_carry": 1, "length": 5,
+  ...              "reverse": True})
+  (0, 1, 5, True)
+
+  See also: `scan_counts`.
+  """
+  n_consts, n_carry = scan_counts(params)
+  return n_consts, n_carry, int(params["length"]), bool(params["reverse"])
+
+
 def while_counts(params) -> tuple[int, int]:
   """``(cond_nconsts, body_nconsts)`` of a `while` equation's params.
 
@@ -174,6 +187,29 @@ def shard_map_body_context(eqn):
   return _i.manual_axes_context(p["mesh"], manual, p.get("check_vma"))
 
 
+def shard_map_manual_axes(eqn) -> tuple:
+  """The mesh axes a `shard_map` equation's body is manual over, in the
+  mesh's order."""
+  p = eqn.params
+  manual = p.get("newly_manual_axes", p.get("manual_axes"))
+  names = tuple(p["mesh"].axis_names)
+  return names if not manual else tuple(n for n in names if n in manual)
+
+
+def shard_map_like(eqn, fn, n_in: int, n_out: int):
+  """``fn`` as a `shard_map` over ``eqn``'s mesh and specs, with ``n_in``
+  more operands (replicated) and ``n_out`` more outputs, one row per
+  device (stacked along the manual axes)."""
+  p = eqn.params
+  spec = jax.sharding.PartitionSpec
+  axes = shard_map_manual_axes(eqn)
+  return jax.shard_map(
+      fn, mesh=p["mesh"],
+      in_specs=tuple(p["in_specs"]) + (spec(),) * n_in,
+      out_specs=tuple(p["out_specs"]) + (spec(axes),) * n_out,
+      axis_names=frozenset(axes), check_vma=bool(p.get("check_vma", True)))
+
+
 # --- Kernels ------------------------------------------------------------------
 
 
@@ -187,6 +223,32 @@ def kernel_name(eqn) -> Optional[str]:
 
 
 # --- First-order params -----------------------------------------------------
+
+
+def matmul_flops(eqn) -> Optional[tuple[int, np.dtype]]:
+  """``(FLOPs, the dtype it multiplies in)`` of a matmul equation (a
+  ``dot_general``, or a primitive with its ``dimension_numbers`` and a
+  ``compute_dtype``, as mpolicy's own); ``None`` for any other. Two FLOPs
+  per multiply-add."""
+  dims = eqn.params.get("dimension_numbers")
+  if (len(eqn.invars) != 2 or not isinstance(dims, tuple) or len(dims) != 2
+      or not all(isinstance(d, tuple) and len(d) == 2 for d in dims)):
+    return None
+  (_, rhs_contract), (_, rhs_batch) = dims
+  lhs, rhs = (v.aval for v in eqn.invars)
+  free = [n for i, n in enumerate(rhs.shape)
+          if i not in rhs_contract and i not in rhs_batch]
+  flops = 2 * int(np.prod(lhs.shape, dtype=np.int64)) * int(
+      np.prod(free, dtype=np.int64))
+  dtype = eqn.params.get("compute_dtype") or lhs.dtype
+  return flops, np.dtype(dtype)
+
+
+def is_collective(eqn) -> bool:
+  """Whether ``eqn`` names mesh axes (``psum``, ``all_gather``, ...): its
+  result on one device depends on the others'."""
+  return "axes" in eqn.params or "axis_name" in eqn.params
+
 
 
 def cast_target(eqn) -> tuple[np.dtype, bool]:
@@ -290,13 +352,18 @@ __all__ = [
     "conv_params",
     "custom_jvp_num_consts",
     "dot_params",
+    "is_collective",
     "kernel_name",
+    "matmul_flops",
     "out_sharding",
     "params_with_result_dtype",
     "ragged_dot_dimension_numbers",
     "result_dtype",
     "scan_counts",
+    "scan_layout",
     "shard_map_body_context",
+    "shard_map_like",
+    "shard_map_manual_axes",
     "sub_jaxpr",
     "while_counts",
 ]

@@ -26,6 +26,7 @@ from mpolicy._src import dtypes
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import recording
 from mpolicy._src import regions
+from mpolicy._src import sites
 from mpolicy._src.rules import base
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import custom
@@ -91,12 +92,15 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
     value = env.const_of(invals[0])
     if value is not None:
       env.mark_const(outs[0], value)
-  if recording.active() and not quiet:
+  if (recording.active() and not quiet) or sites.active():
     # A cast in the traced code (or made for a module's policy) is the
     # code's own, even though the environment makes it: not counted.
     inserted = (0 if op.rule in special.CODE_CASTS
                 else env.inserted - casts_before)
-    recording.record(_decision(op, invals, outs, names, inserted))
+    decision = _decision(op, invals, outs, names, inserted)
+    if not quiet:
+      recording.record(decision)
+    sites.note_ran_in(decision.ran_in)
   return outs
 
 

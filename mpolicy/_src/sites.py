@@ -1,0 +1,251 @@
+"""Sites: each first-order equation named, while the precision debugger traces.
+
+While a `tagging()` block is open on this thread, the interpreter traces
+every first-order equation of the code it runs under a scope named for a
+new `Site` (``mpolicy:op-<index>``): the equation's primitive, its scope
+names, the region that governs it, where it was written, and the dtype it
+ran in. JAX keeps the scope on every equation made from it: the casts and
+amp primitives its rule binds, and, under `jax.grad`, its derivative's
+equations in the forward and backward passes. So the debugger reads, for
+any equation of the final program, the equation of the user's code it
+comes from (`site_of`). Sites asked for in ``in_float32`` run in float32:
+their half operands are cast up and nothing rounds them (the op-level
+island of a value outside any module).
+
+Outside a block nothing is added. The block is part of JAX's jit cache key
+(each block its own value), so a jitted function traced without sites, or
+in another block, is traced again rather than reused.
+
+>>> import jax, jax.numpy as jnp
+>>> from mpolicy._src.amp import amp
+>>> with tagging() as found:
+...   _ = jax.make_jaxpr(amp(jnp.exp))(jnp.ones(3, jnp.bfloat16))
+>>> [(s.primitive, s.ran_in) for s in found]
+[('exp', 'float32')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+import contextlib
+import dataclasses
+import itertools
+import os
+import sys
+import threading
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
+from mpolicy._src import regions
+
+PREFIX = regions.MARKER_PREFIX + "op-"
+"""The scope a site's equations are traced under: ``PREFIX`` + its index."""
+
+
+@dataclasses.dataclass
+class Site:
+  """One first-order equation of the traced code, as the interpreter ran it.
+
+  Attributes:
+    primitive: the primitive's name.
+    names: its scope names, mpolicy's markers included.
+    region: what governs it (``None``: nothing).
+    source: the user's ``file:line`` that made it (``""`` if unknown).
+    ran_in: the dtype(s) it ran in, as `explain` says (``""`` until run).
+    producers: per operand, the site that made it (``None``: an argument,
+      a constant, or a value made outside every site).
+    higher_order: whether the equation holds sub-jaxprs (``scan``,
+      ``cond``, ``jit``, ...): its own equations are the interpreter's
+      casts at its boundary, its sub-jaxprs' are sites of their own.
+  """
+  primitive: str
+  names: tuple[str, ...]
+  region: Optional[regions.Region]
+  source: str
+  ran_in: str = ""
+  producers: tuple[Optional[int], ...] = ()
+  higher_order: bool = False
+
+  @property
+  def path(self) -> str:
+    """The module it runs in: the governing module call's full name (Haiku,
+    Flax linen), else its named-scope path; ``""`` outside both."""
+    if self.region is not None and self.region.module_name:
+      return self.region.module_name
+    return "/".join(regions.plain_scope_names(self.names))
+
+  @property
+  def policy_cast(self) -> bool:
+    """Whether it is a cast a module policy made at a module boundary."""
+    return regions.policy_cast_of(self.names) is not None
+
+
+class _Every:
+  """Holds every site index: `tagging(in_float32=EVERY)` runs the whole
+  code in float32 (the float32 shadow of `compare_to_float32`)."""
+
+  def __contains__(self, index) -> bool:
+    return True
+
+
+EVERY = _Every()
+
+
+class _State(threading.local):
+  sites: Optional[list[Site]] = None
+  in_float32: frozenset = frozenset()
+  open: Optional[list[int]] = None
+  made_by: Optional[dict[int, tuple[int, Any]]] = None  # id(value) -> site.
+
+
+_state = _State()
+_KEY = jax.make_user_context(default_value=None)  # Part of jit's cache key.
+_blocks = itertools.count()
+
+
+@contextlib.contextmanager
+def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
+  """Names every equation the interpreter traces in the block.
+
+  Args:
+    in_float32: indices of sites to run in float32 (as numbered by a block
+      that traced the same code), or `EVERY`.
+
+  Yields:
+    The list the block's `Site`s are appended to, in trace order.
+  """
+  prev = (_state.sites, _state.in_float32, _state.open, _state.made_by)
+  found: list[Site] = []
+  _state.sites, _state.in_float32, _state.open, _state.made_by = (
+      found, in_float32 if in_float32 is EVERY else frozenset(in_float32),
+      [], {})
+  try:
+    with _KEY(next(_blocks)):
+      yield found
+  finally:
+    _state.sites, _state.in_float32, _state.open, _state.made_by = prev
+
+
+def active() -> bool:
+  """Whether a `tagging()` block is open on this thread."""
+  return _state.sites is not None
+
+
+class _Untagged:
+  """What `site` returns outside a block: nothing to do."""
+  in_float32 = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  def made(self, outs) -> None:
+    del outs
+
+
+_UNTAGGED = _Untagged()
+
+
+class _Tag:
+  """One site being traced (see `site`)."""
+
+  def __init__(self, index: int):
+    self.index = index
+    self.in_float32 = index in _state.in_float32
+    self._scope = jax.named_scope(f"{PREFIX}{index}")
+
+  def __enter__(self):
+    _state.open.append(self.index)
+    self._scope.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    _state.open.pop()
+    return self._scope.__exit__(*exc)
+
+  def made(self, outs) -> None:
+    """Records that the site made ``outs`` (its results)."""
+    for x in outs:
+      _state.made_by[id(x)] = (self.index, x)
+
+  def run_in_float32(self, eqn, invals, cast: Callable, run: Callable):
+    """Runs the site in float32: half operands cast up by ``cast``, then
+    ``run(operands)`` as written; a cast to a narrower float keeps its
+    float32 operand instead."""
+    invals = [cast(x, np.float32) if dtypes.float_value(x)
+              and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
+    if (eqn.primitive is jax_compat.convert_element_type_p
+        and dtypes.is_half(jax_compat.cast_target(eqn)[0])
+        and dtypes.float_value(invals[0])):
+      return [invals[0]]
+    return run(invals)
+
+
+def site(eqn, names: tuple[str, ...], region: Optional[regions.Region],
+         invals=()):
+  """A context manager around the tracing of one equation's rule: inside a
+  `tagging()` block, the body is traced under a scope naming a new `Site`.
+
+  A higher-order equation is a site too: what its rule traces inside is
+  named by its own sites, and what JAX derives from it directly (a
+  `custom_vjp`'s backward rule) by the equation's.
+
+  Returns:
+    The context manager; ``as`` gives an object with ``in_float32`` (run
+    the site with `run_in_float32`), and ``made(outs)`` to call with its
+    results.
+  """
+  if _state.sites is None:
+    return _UNTAGGED
+  index = len(_state.sites)
+  producers = tuple(_state.made_by.get(id(x), (None,))[0] for x in invals)
+  _state.sites.append(Site(eqn.primitive.name, names, region,
+                           jax_compat.user_location(eqn, _library_dirs()),
+                           producers=producers,
+                           higher_order=bool(jax_compat.jaxprs_in_params(
+                               eqn.params))))
+  return _Tag(index)
+
+
+# Libraries whose frames are not the user's code: a Haiku layer's matmul is
+# reported where the user called the layer, not inside Haiku.
+_LIBRARIES = ("haiku", "flax", "equinox", "optax", "jmp", "mpolicy", "numpy")
+
+
+def _library_dirs() -> tuple[str, ...]:
+  dirs = [os.path.dirname(os.__file__) + os.sep]  # The standard library.
+  for name in _LIBRARIES:
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if path:
+      dirs.append(os.path.dirname(path) + os.sep)
+  return tuple(dirs)
+
+
+def note_ran_in(ran_in: str) -> None:
+  """Records the dtype the innermost open site ran in (no-op outside one)."""
+  if _state.sites is not None and _state.open:
+    _state.sites[_state.open[-1]].ran_in = ran_in
+
+
+def site_of(names: tuple[str, ...]) -> Optional[int]:
+  """The index of the innermost site among scope ``names``, else ``None``.
+
+  >>> site_of(("encoder", PREFIX + "3", "jvp")), site_of(("encoder",))
+  (3, None)
+  """
+  for name in reversed(names):
+    if name.startswith(PREFIX):
+      try:
+        return int(name[len(PREFIX):])
+      except ValueError:
+        return None
+  return None
+
+

@@ -1,0 +1,179 @@
+"""suggest_policy: the few modules to run wider, measured against float32."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mpolicy
+
+HALF16 = "p=f32,c=f16,o=f32"
+
+
+class Attention(hk.Module):
+  """Single-head attention; its logits overflow float16 with big weights."""
+
+  def __call__(self, x):
+    q = hk.Linear(8, name="query")(x)
+    k = hk.Linear(8, name="key")(x)
+    logits = jnp.einsum("btd,bsd->bts", q, k)
+    return jnp.einsum("bts,bsd->btd", jax.nn.softmax(logits), x)
+
+
+def _overflowing():
+  model = mpolicy.transform_amp(
+      lambda x: hk.Linear(1, name="head")(Attention(name="attention")(x)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+  params = model.init(jax.random.PRNGKey(0), x)
+  for name in ("attention/query", "attention/key"):
+    params[name] = dict(params[name], w=params[name]["w"] * 300.0)
+  calls = []
+
+  def loss(p, x):
+    calls.append(1)
+    return jnp.mean(model.apply(p, None, x) ** 2)
+
+  return loss, params, x, calls
+
+
+@pytest.fixture(scope="module")
+def overflow():
+  """One search over the overflowing attention, with a LayerNorm entry in
+  the registry (overridden while it searches)."""
+  loss, params, x, calls = _overflowing()
+  mpolicy.set_policy(hk.LayerNorm, "full")
+  try:
+    s = mpolicy.suggest_policy(loss, params, x, policy=HALF16,
+                               tolerance=0.05, max_evals=6)
+  finally:
+    mpolicy.clear_policies()
+  return s, loss, params, x, calls
+
+
+def test_the_module_of_a_float16_overflow_becomes_an_island(overflow):
+  s, loss, params, x, calls = overflow
+  mpolicy.set_policy(hk.LayerNorm, "full")
+  assert s.float32_paths == ("attention",)
+  assert not s.before.finite and s.before.first_nonfinite.path == "attention"
+  assert s.ok and s.after.finite and s.after.grad_error < 0.05
+  assert len(calls) == s.evals <= 6
+  # The island is the attention's own ops: its projections stay float16.
+  assert s.kept == ("attention/key", "attention/query")
+  assert 0.5 < s.after.half_flops < 1.0 == s.before.half_flops
+  text = str(s)
+  assert "before: not finite" in text and "after (1 island)" in text
+  assert "attention  its dot_general made the first non-finite value" in text
+  # apply(): the policy everywhere, the island, then the registry as it was.
+  with s.apply():
+    assert str(mpolicy.policy_for(hk.Module)) == HALF16
+    assert str(mpolicy.policy_for(hk.LayerNorm)) == HALF16
+    assert str(mpolicy.policy_for("attention")) == "p=f32,c=f32,o=f32"
+    assert str(mpolicy.policy_for("attention/query")) == HALF16
+    assert jnp.isfinite(jax.grad(loss)(params, x)["attention/key"]["w"]).all()
+  assert mpolicy.policy_for(hk.Module) is None
+  assert str(mpolicy.policy_for(hk.LayerNorm)) == "p=f32,c=f32,o=f32"
+
+
+def test_the_set_policy_lines_reproduce_the_suggestion(overflow):
+  s, loss, params, x, _ = overflow
+  lines = s.set_policy_lines()
+  assert lines.splitlines()[0] == "mpolicy.clear_policies()"
+  assert 'mpolicy.set_policy(hk.Module, "p=f32,c=f16,o=f32")' in lines
+  assert "mpolicy.set_policy('attention', \"p=f32,c=f32,o=f32\")  # its" in lines
+  exec(lines, {"mpolicy": mpolicy, "hk": hk})  # pylint: disable=exec-used
+  grads = jax.grad(loss)(params, x)
+  assert all(jnp.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_where_half_is_fine_it_suggests_nothing():
+  loss, params, x, calls = _overflowing()
+  params = jax.tree_util.tree_map(lambda w: w / 300.0, params)
+  s = mpolicy.suggest_policy(loss, params, x, policy="p=f32,c=bf16,o=f32")
+  assert (s.float32_paths, s.evals, len(calls)) == ((), 2, 2)
+  assert s.ok and s.before == s.after and s.before.within(0.05)
+  assert "No island needed" in str(s)
+
+
+class Cancel(hk.Module):
+  """Two close products subtracted: float8's rounding swamps the rest."""
+
+  def __call__(self, x):
+    w = hk.get_parameter("w", [16, 16], init=hk.initializers.RandomNormal())
+    return x @ w - x @ (0.9 * w)
+
+
+@pytest.mark.slow  # A float8 search: seconds of eager dispatch.
+def test_under_float8_a_bfloat16_island_may_be_enough():
+  rules = mpolicy.DEFAULT_RULES.with_fp8(matmuls="all", min_size=0)
+  model = mpolicy.transform_amp(
+      lambda x: hk.Linear(1, name="head")(Cancel(name="cancel")(
+          hk.Linear(16, name="embed")(x))), rules=rules)
+  x = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+  params = model.init(jax.random.PRNGKey(0), x)
+  loss = lambda p, x: jnp.mean(model.apply(p, None, x) ** 2)
+  s = mpolicy.suggest_policy(loss, params, x, policy="p=f32,c=f8,o=f32",
+                             tolerance=0.2, max_evals=8,
+                             island_dtype=jnp.bfloat16)
+  assert s.float32_paths == ("cancel",), str(s)
+  assert str(s.island_policy) == "p=f32,c=bf16,o=f32"
+  assert not s.before.within(0.2) and s.ok
+  assert "adds" in s.reasons[0]
+
+
+@pytest.mark.slow  # Flax's import and first trace: seconds.
+def test_a_flax_linen_module_becomes_an_island():
+  nn = pytest.importorskip("flax.linen")
+
+  class Net(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1, name="out")(nn.Dense(4, name="hidden")(x))
+
+  model = Net()
+  x = jnp.full((2, 3), 10000.0)  # hidden: 30001; out: 120005 > 65504.
+  variables = jax.tree_util.tree_map(
+      lambda v: v * 0 + 1.0, model.init(jax.random.PRNGKey(0), x))
+  apply = mpolicy.amp(model.apply)
+  s = mpolicy.suggest_policy(lambda v, x: jnp.mean(apply(v, x)) * 1e-3,
+                             variables, x, policy=HALF16, max_evals=4)
+  assert s.float32_paths == ("out",) and s.ok
+  assert 'mpolicy.set_policy(nn.Module, "p=f32,c=f16,o=f32")' in (
+      s.set_policy_lines())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(), TypeError, "pass the policy"),
+    (dict(policy=HALF16, tolerance=0), ValueError, "tolerance must be"),
+    (dict(policy=HALF16, max_evals=1), ValueError, "max_evals must be"),
+    (dict(policy=HALF16, island_dtype=jnp.int32), TypeError,
+     "island_dtype must be a floating dtype"),
+])
+def test_bad_arguments_say_what_is_wrong(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    mpolicy.suggest_policy(lambda x: jnp.sum(x), jnp.ones(2), **kwargs)
+
+
+def test_the_example_runs_as_a_file(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "examples", "precision_islands.py"),
+       "--steps=1", "--batch_size=2", "--seq_len=8", "--d_model=8",
+       "--num_heads=2", "--num_layers=1", "--max_evals=2", "--rounds=1"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "suggest_policy: p=f32,c=f16,o=f32 on every module" in out
+  assert "mpolicy.clear_policies()" in out
+  rows = [l for l in out.splitlines() if l.startswith("| ")]
+  assert [r.split(" | ")[0] for r in rows[1:]] == [
+      "| float32", "| half", "| half + islands"]
+  assert rows[1].split(" | ")[4] == "+0.0000"
