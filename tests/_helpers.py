@@ -164,3 +164,21 @@ def loop_carry_dtypes(fn, *args) -> list:
       body = jax_compat.hijax.scan_body(obj)
       out += [a.dtype for a in body.in_avals if jax_compat.is_ref(a)]
   return out
+
+
+def overflowing_flax_net():
+  """A Flax linen net whose float16 output overflows: ``(model, variables,
+  x)``, every variable 1 (hidden: 30001; out: 120005 > 65504)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class Net(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1, name="out")(nn.Dense(4, name="hidden")(x))
+
+  model = Net()
+  x = jnp.full((2, 3), 10000.0)
+  variables = jax.tree_util.tree_map(
+      lambda v: v * 0 + 1.0, model.init(jax.random.PRNGKey(0), x))
+  return model, variables, x

@@ -10,6 +10,8 @@ import pytest
 
 import mpolicy
 
+from _helpers import overflowing_flax_net
+
 HALF16 = "p=f32,c=f16,o=f32"
 BF16 = "p=f32,c=bf16,o=f32"
 THIS = __file__
@@ -201,16 +203,7 @@ def test_cond_checkpoint_jit_and_custom_vjp_are_entered():
 @pytest.mark.slow  # Flax's import and first trace: seconds.
 def test_a_flax_linen_module_is_named_by_its_path():
   nn = pytest.importorskip("flax.linen")
-
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(1, name="out")(nn.Dense(4, name="hidden")(x))
-
-  model = Net()
-  x = jnp.full((2, 3), 10000.0)  # hidden: 30001; out: 120005 > 65504.
-  variables = model.init(jax.random.PRNGKey(0), x)
-  variables = jax.tree_util.tree_map(lambda v: v * 0 + 1.0, variables)
+  model, variables, x = overflowing_flax_net()
   mpolicy.set_policy(nn.Module, HALF16)
   apply = mpolicy.amp(model.apply)
   report = mpolicy.locate_nonfinite(

@@ -9,6 +9,8 @@ import pytest
 
 import mpolicy
 
+from _helpers import overflowing_flax_net
+
 HALF16 = "p=f32,c=f16,o=f32"
 
 
@@ -125,17 +127,7 @@ def test_under_float8_a_bfloat16_island_may_be_enough():
 @pytest.mark.slow  # Flax's import and first trace: seconds.
 def test_a_flax_linen_module_becomes_an_island():
   nn = pytest.importorskip("flax.linen")
-
-  class Net(nn.Module):
-
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(1, name="out")(nn.Dense(4, name="hidden")(x))
-
-  model = Net()
-  x = jnp.full((2, 3), 10000.0)  # hidden: 30001; out: 120005 > 65504.
-  variables = jax.tree_util.tree_map(
-      lambda v: v * 0 + 1.0, model.init(jax.random.PRNGKey(0), x))
+  model, variables, x = overflowing_flax_net()
   apply = mpolicy.amp(model.apply)
   s = mpolicy.suggest_policy(lambda v, x: jnp.mean(apply(v, x)) * 1e-3,
                              variables, x, policy=HALF16, max_evals=4)
