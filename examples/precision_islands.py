@@ -1,19 +1,20 @@
 r"""Float32 islands, suggested and measured, on the char transformer.
 
 At a learning rate of 0.01 the char transformer of `char_transformer.py`
-grows activations whose squares no float16 holds: with `p=f32,c=f16,o=f32`
-on every module, LayerNorm's variance overflows, its output becomes
-garbage (finite, so no step is skipped) and training falls behind float32,
-which no loss scale changes: the forward pass itself is wrong. This script
-trains on the same batches:
+grows activations large enough that float16 LayerNorms lose their backward
+pass: with `p=f32,c=f16,o=f32` on every module the gradients stay finite
+(no step is skipped, so no loss scale helps) but carry errors as large as
+themselves through each norm, and training falls behind float32. This
+script trains on the same batches:
 
 1. float32;
 2. the half policy on every module (`--mp_policy`, with the loss scale of
    `--mp_scale_type`);
-3. the half policy with the islands `mpolicy.suggest_policy` finds where
-   the second run ended (its parameters, its last batch): the modules
-   whose own ops run in `--island_dtype`; where that run ends it suggests
-   again, and adds what is new (`--rounds`).
+3. the half policy with the islands `mpolicy.suggest_policy` finds at
+   `--probes` points of the second run (its parameters and batch there,
+   one search over all of them): the modules whose own ops run in
+   `--island_dtype`. It then suggests again over the probes of both runs,
+   and trains again if that adds an island (`--rounds`).
 
   python examples/precision_islands.py
   python examples/precision_islands.py --mp_policy=p=f32,c=f8,o=f32 \
@@ -28,7 +29,6 @@ the evaluations the search spent. The model's and the training flags
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from absl import flags
@@ -59,9 +59,15 @@ flags.DEFINE_float("tolerance", 0.1,
                    "do not change the loss curve.")
 flags.DEFINE_integer("max_evals", 16,
                      "How many times suggest_policy may run the loss.")
+flags.DEFINE_integer("probes", 3,
+                     "Where suggest_policy looks in a run: after 1/n, 2/n, "
+                     "... of its steps (a problem can come and go as "
+                     "training moves); the islands are the union.")
 flags.DEFINE_integer("rounds", 3,
-                     "Suggest, train with the islands, suggest again where "
-                     "that run ended, ... at most this many times.")
+                     "Suggest, train with the islands, suggest again with "
+                     "that run's probes too, ... at most this many times.")
+flags.register_validator("probes", lambda v: v >= 1,
+                         message="--probes must be at least 1.")
 flags.register_validator("rounds", lambda v: v >= 1,
                          message="--rounds must be at least 1.")
 flags.register_validator("tolerance", lambda v: v > 0,
@@ -82,8 +88,8 @@ def train(model, corpus: ct.Corpus, config, registry, *, steps: int,
   """Trains ``model`` under ``registry`` (a context manager factory).
 
   Returns:
-    Its metrics, and under ``"probe"`` the parameters it ended with and
-    the batch of its last step.
+    Its metrics, and under ``"probes"`` the parameters and the batch at
+    ``--probes`` evenly spaced steps, the last step last.
   """
   with registry():
     loss_fn = lambda p, b: ct.lm_loss(model.apply, p, b)[0]
@@ -95,7 +101,9 @@ def train(model, corpus: ct.Corpus, config, registry, *, steps: int,
                         ct.windows(corpus.train, starts[0],
                                    config.seq_len)[:, :-1])
     opt_state = optimizer.init(params)
-    losses, skipped = [], 0
+    losses, skipped, probes = [], 0, []
+    probe_at = {(steps * (j + 1)) // FLAGS.probes - 1
+                for j in range(FLAGS.probes)}
     start = time.perf_counter()
     for i in range(steps):
       batch = ct.windows(corpus.train, starts[i], config.seq_len)
@@ -103,34 +111,29 @@ def train(model, corpus: ct.Corpus, config, registry, *, steps: int,
       skipped += not bool(out.grads_finite)
       params, opt_state, loss_scale = out.params, out.opt_state, out.loss_scale
       losses.append(float(out.value))
+      if i in probe_at:
+        probes.append((params, batch))
     metrics = ct.evaluate(model.apply, params, corpus, config.seq_len)
   finite = [x for x in losses[-10:] if np.isfinite(x)]
   metrics.update({"final loss": float(np.mean(finite)) if finite else np.nan,
                   "skipped": skipped, "seconds": time.perf_counter() - start,
-                  "probe": (params, batch)})
+                  "probes": probes})
   return metrics
 
 
-def suggest(model, probe, policy, islands=()) -> mpolicy.PolicySuggestion:
-  """`suggest_policy` where a run ended (its parameters, its last batch)."""
-  params, batch = probe
+def suggest(model, probes, policy) -> mpolicy.PolicySuggestion:
+  """One `suggest_policy` over a run's probes at once: the loss summed over
+  them (each its parameters on its batch), the gradients with respect to
+  every probe's parameters as one vector."""
+  params = tuple(p for p, _ in probes)
+  batches = tuple(b for _, b in probes)
+
+  def loss(ps, bs):
+    return sum(ct.lm_loss(model.apply, p, b)[0] for p, b in zip(ps, bs))
+
   return mpolicy.suggest_policy(
-      lambda p, b: ct.lm_loss(model.apply, p, b)[0], params, batch,
-      policy=policy, tolerance=FLAGS.tolerance, max_evals=FLAGS.max_evals,
-      island_dtype=jnp.dtype(FLAGS.island_dtype))
-
-
-def merged(a: mpolicy.PolicySuggestion,
-           b: mpolicy.PolicySuggestion) -> mpolicy.PolicySuggestion:
-  """``a``'s islands and those ``b`` adds, measured as ``b`` was."""
-  new = [(p, why) for p, why in zip(b.float32_paths, b.reasons)
-         if p not in a.float32_paths]
-  return dataclasses.replace(
-      b, float32_paths=a.float32_paths + tuple(p for p, _ in new),
-      reasons=a.reasons + tuple(why for _, why in new),
-      kept=tuple(sorted(set(a.kept) | set(b.kept))),
-      evals=a.evals + b.evals, max_evals=a.max_evals + b.max_evals,
-      before=a.before)
+      loss, params, batches, policy=policy, tolerance=FLAGS.tolerance,
+      max_evals=FLAGS.max_evals, island_dtype=jnp.dtype(FLAGS.island_dtype))
 
 
 def main() -> None:
@@ -155,10 +158,11 @@ def main() -> None:
   report(f"[float32] {FLAGS.steps} steps", full)
   report(f"[half] {FLAGS.steps} steps", half)
 
-  # Suggest where the half run ended; train with the islands; where that
-  # run ends, suggest again: a module the first run never stressed may
-  # need an island too. Stop when nothing new is suggested.
-  suggestion = suggest(model, half["probe"], policy)
+  # Suggest at the half run's probes; train with the islands; suggest
+  # again at the probes of both runs: a module the first run never
+  # stressed may need an island too. Stop when nothing new is suggested.
+  probes = half["probes"]
+  suggestion = suggest(model, probes, policy)
   runs = []
   for round_ in range(1, FLAGS.rounds + 1):
     print(f"\nround {round_}: {suggestion}", flush=True)
@@ -168,10 +172,11 @@ def main() -> None:
     runs.append((suggestion, run))
     if round_ == FLAGS.rounds:
       break
-    again = suggest(model, run["probe"], policy)
+    probes = probes + run["probes"]
+    again = suggest(model, probes, policy)
     if set(again.float32_paths) <= set(suggestion.float32_paths):
       break
-    suggestion = merged(suggestion, again)
+    suggestion = again
   suggestion, islands = runs[-1]
   print("\nTo use it:\n" + suggestion.set_policy_lines() + "\n")
 
