@@ -94,6 +94,7 @@ def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   assert png.stat().st_size > 0
 
 
+@pytest.mark.slow  # CI's newest job runs it (.ci/run).
 def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   rc, out, err = run_example(
       "char_transformer", "--steps=2", "--batch_size=2", "--seq_len=8",
@@ -126,6 +127,7 @@ def test_loss_scaling_lesson_reports_underflow_for_three_runs(tmp_path):
   assert png.stat().st_size > 0
 
 
+@pytest.mark.slow  # CI's newest job runs it (.ci/run).
 def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   rc, out, err = run_example("loss_scaling_lesson", *LESSON_TINY,
                              "--nocompare", "--mp_scale_type=NoOp",
@@ -135,6 +137,7 @@ def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   assert [r.split(" | ")[0] for r in rows] == ["| f16"]
 
 
+@pytest.mark.slow  # CI's newest job runs it (.ci/run).
 def test_optimizer_lesson_runs_as_a_file_and_tabulates_its_mode(tmp_path):
   rc, out, err = run_example("optimizer_lesson", *LESSON_TINY,
                              "--modes=stochastic", cwd=tmp_path)
@@ -162,6 +165,20 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   rc, out, err = run_example(f"porting/{recipe}", cwd=tmp_path)
   assert_ok(rc, out, err)
   assert re.fullmatch(printed, out.strip()), out
+
+
+def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
+  rc, out, err = run_example(
+      "precision_islands", "--steps=1", "--batch_size=2", "--seq_len=8",
+      "--d_model=8", "--num_heads=2", "--num_layers=1", "--max_evals=2",
+      "--probes=1", "--rounds=1", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert "suggest_policy: p=f32,c=f16,o=f32 on every module" in out
+  assert "mpolicy.clear_policies()" in out
+  rows = [l for l in out.splitlines() if l.startswith("| ")]
+  assert [r.split(" | ")[0] for r in rows[1:]] == [
+      "| float32", "| half", "| half + islands"]
+  assert rows[1].split(" | ")[4] == "+0.0000"
 
 
 # Imported by the scripts, not run: they define flags, print, load data or
@@ -376,7 +393,12 @@ def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
   assert result.metrics["test accuracy"] > 0.95
 
 
-@pytest.mark.parametrize("flag", ["", "--fsdp", "--shard_map"])
+@pytest.mark.parametrize("flag", [
+    "",
+    # CI's newest job runs these (.ci/run); tests/test_distributed.py checks
+    # the same modes in process.
+    pytest.param("--fsdp", marks=pytest.mark.slow),
+    pytest.param("--shard_map", marks=pytest.mark.slow)])
 def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
                                                                    flag):
   rc, out, err = run_example("data_parallel", "--steps=3", "--batch_size=16",
@@ -388,7 +410,12 @@ def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["", "--fsdp", "--shard_map"])
+@pytest.mark.parametrize("flag", [
+    "",
+    # CI's newest job runs these (.ci/run); tests/test_distributed.py checks
+    # the same modes in process.
+    pytest.param("--fsdp", marks=pytest.mark.slow),
+    pytest.param("--shard_map", marks=pytest.mark.slow)])
 def test_data_parallel_runs_in_two_processes(tmp_path, flag):
   # The script starts itself twice (4 devices each), joined over localhost;
   # the whole process group is killed if it runs too long.

@@ -146,26 +146,3 @@ def test_a_flax_linen_module_becomes_an_island():
 def test_bad_arguments_say_what_is_wrong(kwargs, error, message):
   with pytest.raises(error, match=message):
     mpolicy.suggest_policy(lambda x: jnp.sum(x), jnp.ones(2), **kwargs)
-
-
-def test_the_example_runs_as_a_file(tmp_path):
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep
-             + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run(
-      [sys.executable, os.path.join(root, "examples", "precision_islands.py"),
-       "--steps=1", "--batch_size=2", "--seq_len=8", "--d_model=8",
-       "--num_heads=2", "--num_layers=1", "--max_evals=2", "--rounds=1"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = proc.stdout
-  assert "suggest_policy: p=f32,c=f16,o=f32 on every module" in out
-  assert "mpolicy.clear_policies()" in out
-  rows = [l for l in out.splitlines() if l.startswith("| ")]
-  assert [r.split(" | ")[0] for r in rows[1:]] == [
-      "| float32", "| half", "| half + islands"]
-  assert rows[1].split(" | ")[4] == "+0.0000"
