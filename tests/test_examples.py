@@ -73,6 +73,9 @@ def explain_cells(out):
 
 # --- Each example, as a file, from another directory --------------------------
 
+# The char transformer's model flags at their smallest.
+TINY_MODEL = ("--seq_len=8", "--d_model=8", "--num_heads=2", "--num_layers=1")
+
 
 def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   png = tmp_path / "digits.png"
@@ -97,9 +100,9 @@ def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
 @pytest.mark.slow  # CI's newest job runs it (.ci/run).
 def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   rc, out, err = run_example(
-      "char_transformer", "--steps=2", "--batch_size=2", "--seq_len=8",
-      "--d_model=8", "--num_heads=2", "--num_layers=1", "--log_every=1",
-      "--attention_policy=full", "--mp_scale_type=Dynamic", cwd=tmp_path)
+      "char_transformer", "--steps=2", "--batch_size=2", *TINY_MODEL,
+      "--log_every=1", "--attention_policy=full", "--mp_scale_type=Dynamic",
+      cwd=tmp_path)
   assert_ok(rc, out, err)
   assert "| bf16+dynamic+attn:f32 | p=f32,c=bf16,o=f32 | Dynamic |" in out
   assert SUMMARY.fullmatch(explain_cells(out)["bf16+dynamic+attn:f32"])
@@ -107,8 +110,7 @@ def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   assert "[bf16+dynamic+attn:f32] test accuracy:" in out
 
 
-LESSON_TINY = ("--steps=3", "--batch_size=2", "--seq_len=8", "--d_model=8",
-               "--num_heads=2", "--num_layers=1", "--log_every=0")
+LESSON_TINY = ("--steps=3", "--batch_size=2", *TINY_MODEL, "--log_every=0")
 
 
 @pytest.mark.slow
@@ -169,9 +171,8 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
 
 def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
   rc, out, err = run_example(
-      "precision_islands", "--steps=1", "--batch_size=2", "--seq_len=8",
-      "--d_model=8", "--num_heads=2", "--num_layers=1", "--max_evals=2",
-      "--probes=1", "--rounds=1", cwd=tmp_path)
+      "precision_islands", "--steps=1", "--batch_size=2", *TINY_MODEL,
+      "--max_evals=2", "--probes=1", "--rounds=1", cwd=tmp_path)
   assert_ok(rc, out, err)
   assert "suggest_policy: p=f32,c=f16,o=f32 on every module" in out
   assert "mpolicy.clear_policies()" in out

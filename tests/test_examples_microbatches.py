@@ -2,14 +2,13 @@
 
 import pytest
 
-from test_examples import assert_ok, run_example
+from test_examples import TINY_MODEL, assert_ok, run_example
 
 
 def test_char_transformer_accumulates_over_microbatches(tmp_path):
   rc, out, err = run_example(
       "char_transformer", "--steps=2", "--batch_size=4", "--microbatches=2",
-      "--seq_len=8", "--d_model=8", "--num_heads=2", "--num_layers=1",
-      "--log_every=1", "--mp_scale_type=Dynamic", cwd=tmp_path)
+      *TINY_MODEL, "--log_every=1", "--mp_scale_type=Dynamic", cwd=tmp_path)
   assert_ok(rc, out, err)
   assert "[bf16+dynamic] step     2/2" in out
   assert "| bf16+dynamic | p=f32,c=bf16,o=f32 | Dynamic |" in out
