@@ -146,3 +146,23 @@ def test_a_flax_linen_module_becomes_an_island():
 def test_bad_arguments_say_what_is_wrong(kwargs, error, message):
   with pytest.raises(error, match=message):
     mpolicy.suggest_policy(lambda x: jnp.sum(x), jnp.ones(2), **kwargs)
+
+
+def test_matmul_flops_are_counted_by_the_module_path_that_ran_them():
+  # The ranking's cost: each module's own matmuls, forward and backward
+  # (a named scope is a path too, as for NNX and Equinox).
+  from mpolicy._src.debugging import flops  # pylint: disable=g-import-not-at-top
+  from mpolicy._src.debugging import program  # pylint: disable=g-import-not-at-top
+
+  def loss(w, x):
+    with jax.named_scope("big"):
+      h = x @ w  # 3x4 @ 4x4: 96 FLOPs, and 96 for its weight's gradient.
+    with jax.named_scope("small"):
+      return jnp.sum(h @ w[:, :2])  # 48, 48 for h's cotangent, 48 for w's.
+
+  f = mpolicy.amp(loss, "p=f32,c=bf16,o=f32")
+  call = program.Call(f, (jnp.ones((4, 4)), jnp.ones((3, 4))), "test")
+  run = program.run(call, call.program(True))
+  assert flops.by_module(run.jaxpr.jaxpr, run.sites) == {"big": 192,
+                                                         "small": 144}
+  assert flops.by_dtype(run.jaxpr.jaxpr) == {"bfloat16": 336}

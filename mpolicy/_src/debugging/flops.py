@@ -51,8 +51,7 @@ def by_module(jaxpr, found: list) -> dict[str, int]:
   into = collections.Counter()
   for n, _, names in _matmuls(jaxpr):
     index = sites_lib.site_of(names)
-    region = found[index].region if index is not None else None
-    into[(region.module_name or "") if region is not None else ""] += n
+    into[found[index].path if index is not None else ""] += n
   return dict(into)
 
 

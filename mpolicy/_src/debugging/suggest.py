@@ -263,8 +263,7 @@ class _Search:
       run = program_lib.run(self.call, self.call.program(True),
                             observer=shadow.Outputs)
     if not self.modules:
-      self.modules = {site.region.module_name for site in run.sites
-                      if site.region is not None and site.region.module_name}
+      self.modules = {site.path for site in run.sites if site.path}
     finite = program_lib.all_finite(run.outs)
     want = self.reference.outs
     value = (shadow.Error.of(run.outs[:1], want[:1]) if finite else None)
