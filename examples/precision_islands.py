@@ -164,6 +164,9 @@ def main() -> None:
   runs = []
   for round_ in range(1, FLAGS.rounds + 1):
     print(f"\nround {round_}: {suggestion}", flush=True)
+    if not suggestion.float32_paths:  # Nothing to change: the half run.
+      runs.append((suggestion, half))
+      break
     run = train(model, corpus, config, suggestion.apply,
                 loss_scale=mp_flags.loss_scale(), **settings)
     report(f"[half + {len(suggestion.float32_paths)} islands]", run)
