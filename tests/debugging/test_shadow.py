@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import mpolicy
+from mpolicy._src.debugging import program as program_lib
+from mpolicy._src.debugging import shadow as shadow_lib
 
 BF16 = "p=f32,c=bf16,o=f32"
 
@@ -129,3 +131,51 @@ def test_the_plot_draws_the_rows(tmp_path):
   assert path.stat().st_size > 1000
   labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
   assert labels == [r.name for r in report.rows[:2]]
+
+
+def test_a_large_value_is_compared_on_an_even_sample():
+  # 2**16 elements, 4 times the sample: every 4th is kept and compared.
+  x = jnp.linspace(0.01, 1.0, 1 << 16) * 3.3
+
+  def loss(x):
+    with jax.named_scope("round"):
+      y = x.astype(jnp.bfloat16) * 1.0
+    return jnp.mean(y.astype(jnp.float32))
+
+  row = mpolicy.compare_to_float32(mpolicy.amp(loss, BF16), x,
+                                   grad=False).row("round")
+  assert row.values == shadow_lib.SAMPLE == 1 << 14
+  want = np.asarray(x, np.float64)[::4]
+  got = np.asarray(x.astype(jnp.bfloat16), np.float64)[::4]
+  np.testing.assert_allclose(row.rel_error, np.linalg.norm(got - want)
+                             / np.linalg.norm(want), rtol=1e-6)
+  # The sample measures the whole value's error closely.
+  whole = np.asarray(x, np.float64)
+  whole_err = (np.linalg.norm(np.asarray(x.astype(jnp.bfloat16), np.float64)
+                              - whole) / np.linalg.norm(whole))
+  np.testing.assert_allclose(row.rel_error, whole_err, rtol=0.02)
+
+
+def test_a_run_drops_each_value_after_its_last_read():
+  # A chain of 40 ops on a 4 MB value: a run that kept every value would
+  # hold 40 of them at its end.
+  shape = (1024, 1024)
+
+  def loss(x):
+    for _ in range(40):
+      x = jnp.sin(x) * 1.01
+    return jnp.mean(x)
+
+  seen = []
+
+  class Count(shadow_lib.Outputs):
+    def made(self, event, in_ids, out_ids, outs):
+      seen.append(sum(a.shape == shape for a in jax.live_arrays()))
+      super().made(event, in_ids, out_ids, outs)
+
+  f = mpolicy.amp(loss, BF16)
+  call = program_lib.Call(f, (jnp.ones(shape),), "test")
+  run = program_lib.run(call, call.program(False), checking=False,
+                        observer=Count)
+  assert np.isfinite(float(run.outs[0]))
+  assert len(seen) >= 80 and max(seen) <= 4, seen

@@ -15,7 +15,10 @@ pooled over every call (every loop iteration), and compared norm-wise:
 ``||got - want|| / ||want||``, split into a bias (the mean signed
 difference) and a noise (the spread around it), both relative to the RMS
 of ``want``, so that ``rel_error**2 == bias**2 + noise**2``. A module's
-parameters' gradients are compared the same way, as one vector.
+parameters' gradients are compared the same way, as one vector. Of a value
+with more than `SAMPLE` elements an evenly strided `SAMPLE` are kept and
+compared (gradients whole): a run holds a bounded sample of every value it
+made, and the walker drops each value after its last read.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 import dataclasses
+import functools
 import os
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from mpolicy._src import registry
@@ -87,7 +92,8 @@ class ShadowRow:
       hands out (the cotangents of its inputs, its parameters' gradients),
       pooled (``None`` without ``grad``).
     backward_input_rel_error: that of the cotangents it was handed.
-    values: how many output values were compared.
+    values: how many output values were compared (at most `SAMPLE` of
+      each).
     dtype: the dtype(s) it made its outputs in, in the run as given.
   """
   path: str
@@ -274,12 +280,13 @@ class Outputs:
       self._read(vid, unit, direction)
     for vid, x in zip(out_ids, outs):
       if vid != walk.FINITE:
-        self._made[vid] = (direction, unit, x, np.dtype(x.dtype).name)
+        self._made[vid] = (direction, unit, sample(x),
+                           np.dtype(x.dtype).name)
 
   def passed(self, in_ids, out_id, value) -> None:
     source = next((self._made[i] for i in in_ids if i in self._made), None)
     if source is not None and out_id != walk.FINITE:
-      self._made[out_id] = (source[0], source[1], value, source[3])
+      self._made[out_id] = (source[0], source[1], sample(value), source[3])
 
   def finish(self, out_ids) -> None:
     """The program's results leave every unit."""
@@ -306,6 +313,25 @@ class Outputs:
       self._count[(direction, unit)] += 1
       if direction == "forward":
         self.dtypes[unit].add(dtype)
+
+
+SAMPLE = 1 << 14
+"""The most elements of one value `Outputs` keeps (evenly strided): what a
+run holds stays bounded by the number of values, not their size."""
+
+
+def sample(x):
+  """``x`` itself, or, with more than `SAMPLE` elements, every k-th of them
+  (the same ones for values of the same shape: both runs' are paired)."""
+  size = int(np.size(x))
+  if size <= SAMPLE:
+    return x
+  return _strided(x, -(-size // SAMPLE))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _strided(x, stride: int):
+  return x.reshape(-1)[::stride]
 
 
 def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:

@@ -207,6 +207,7 @@ class Walker:
     self._event_of: dict[tuple, int] = {}
     self._constants: dict[int, tuple[Any, bool]] = {}
     self._keep: list[Any] = []  # Keeps the ids of keyed equations alive.
+    self._dead: dict[int, list[list]] = {}
 
   def new_id(self) -> int:
     return next(self._ids)
@@ -238,6 +239,7 @@ class Walker:
     log and checks its own (see `replay`)."""
     body = Walker(self.events, self._ids, checking=self.checking)
     body._event_of, body._keep = self._event_of, self._keep  # pylint: disable=protected-access
+    body._dead = self._dead  # pylint: disable=protected-access
     return body
 
   def replay(self, into: "Walker", per_device, out_ids) -> list[list[int]]:
@@ -320,7 +322,8 @@ class Walker:
       return env[var]
 
     forward_read = _forward_read(jaxpr, ctx, outs_read)
-    for eqn in jaxpr.eqns:
+    dead = self._dead_after(jaxpr)
+    for n, eqn in enumerate(jaxpr.eqns):
       pairs = [read(v) for v in eqn.invars]
       invals = [x for x, _ in pairs]
       in_ids = [i for _, i in pairs]
@@ -334,8 +337,31 @@ class Walker:
       for var, x, i in zip(eqn.outvars, outs, out_ids):
         if not isinstance(var, jax_compat.DropVar):
           env[var] = (x, i)
+      for var in dead[n]:  # Read for the last time: its memory goes.
+        env.pop(var, None)
     pairs = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in pairs], [i for _, i in pairs]
+
+  def _dead_after(self, jaxpr) -> list[list]:
+    """Per equation of ``jaxpr``, the variables no later equation (and no
+    output) reads: a run drops them once it has run that equation, so it
+    holds what a program would, not every value it ever made."""
+    key = id(jaxpr)
+    found = self._dead.get(key)
+    if found is None:
+      last = {}
+      for n, eqn in enumerate(jaxpr.eqns):
+        for var in (*eqn.invars, *eqn.outvars):
+          if not isinstance(var, (jax_compat.Literal, jax_compat.DropVar)):
+            last[var] = n
+      for var in jaxpr.outvars:
+        last.pop(var, None)
+      found = [[] for _ in jaxpr.eqns]
+      for var, n in last.items():
+        found[n].append(var)
+      self._dead[key] = found
+      self._keep.append(jaxpr)  # Its id stays its own.
+    return found
 
   def first_order(self, eqn, invals, in_ids, ctx, feeds_forward=True):
     """Binds one equation as it is, and logs it."""
