@@ -33,7 +33,7 @@ What each class means:
 The registrations below are PyTorch autocast's fp32 and promote lists,
 translated to JAX primitives, and the facts the rules read (which
 primitives act element by element, broadcast, scale, or re-arrange a
-parameter).
+parameter, and which carry scalar combiners).
 """
 
 from __future__ import annotations
@@ -419,3 +419,12 @@ facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
 # fill value) is still that constant, and follows the arrays it meets.
 facts.register(("broadcast_in_dim", "reshape", "squeeze", "copy"),
                keeps_constant=True)
+
+# Primitives whose jaxpr params are small scalar combiners (a scatter-add's
+# `add`, a generic reduction's monoid), not user code: they run as
+# first-order primitives (`sub_computations`), at their traced dtypes
+# (`base.bind_natural`).
+facts.register(("scatter", "scatter-add", "scatter-sub", "scatter-mul",
+                "scatter-min", "scatter-max", "reduce", "reduce_window",
+                "select_and_scatter", "select_and_gather_add"),
+               combines_scalars=True)

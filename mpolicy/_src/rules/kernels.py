@@ -60,3 +60,4 @@ facts.register([p for p in jax_compat.KERNEL_PRIMITIVES
                 if p is not jax_compat.pallas_call_p], special=_callback)
 if jax_compat.pallas_call_p is not None:
   facts.register(jax_compat.pallas_call_p, special=_pallas)
+facts.register(jax_compat.KERNEL_PRIMITIVES, kernel=True)
