@@ -1,5 +1,5 @@
 """The facts `classes` registers beyond the classes: which primitives carry
-scalar combiners."""
+scalar combiners, and which place, shard or key values (bound as is)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ HALF = "p=f32,c=bf16,o=f32"
 COMBINERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul",
              "scatter-min", "scatter-max", "reduce", "reduce_window",
              "select_and_scatter", "select_and_gather_add")
+PLAIN = ("device_put", "sharding_constraint", "reshard", "pvary",
+         "axis_index", "random_seed", "random_wrap", "random_unwrap")
 
 
 def test_scatters_and_generic_reductions_combine_scalars():
@@ -34,3 +36,10 @@ def test_a_scalar_combiner_runs_as_a_first_order_primitive():
   x = jnp.linspace(1, 2, 4)
   np.testing.assert_allclose(mpolicy.amp(fn, HALF)(x), fn(x))
 
+
+def test_placement_sharding_and_prng_keys_bind_plainly():
+  prims = jax_compat.primitives_named(PLAIN)
+  assert [p.name for p in prims] == list(PLAIN)
+  assert all(facts.of(p).binds_plainly for p in prims)
+  for p in (jax.lax.exp_p, jax.lax.add_p, jax.lax.scatter_add_p):
+    assert facts.of(p).binds_plainly is False, p

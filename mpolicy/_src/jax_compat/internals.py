@@ -249,7 +249,8 @@ core_call_p = _optional(_core, "call_p")
 
 # Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
 # `jax.debug.callback` and `jax.debug.print`): Python code that receives its
-# operands as arrays of the dtypes it was traced with.
+# operands as arrays of the dtypes it was traced with. `rules.kernels`
+# registers their facts; the rest of mpolicy reads those.
 CALLBACK_PRIMITIVES = frozenset(
     p for p in (
         _optional(_callback, "pure_callback_p"),

@@ -68,6 +68,10 @@ class Facts:
       `jax_compat.cast_target` reads): a cast to float32 reads its operand
       in float32, as a ``full`` op does.
     accumulates: its ``preferred_element_type`` follows re-typed inputs.
+    binds_plainly: bound as is, never through the linearization cache of
+      `staged` (see `base.bind`): it runs host code or has effects, names
+      mesh axes, places or shards values, makes or unwraps PRNG keys, or
+      makes or touches mutable references.
     combines_scalars: its jaxpr params are small scalar combiners (a
       scatter-add's ``add``, a reduction's monoid), not user code: it runs
       as a first-order primitive (see `sub_computations`).
@@ -94,6 +98,7 @@ class Facts:
   looks_up: bool = False
   casts: bool = False
   accumulates: bool = False
+  binds_plainly: bool = False
   combines_scalars: bool = False
   kernel: bool = False
   special: Optional[Callable[..., Any]] = None
