@@ -10,15 +10,16 @@ an explicit entry:
   ``remat2``, custom derivatives, ``shard_map``, the next-generation
   constructs of ``call_hi_primitive``, ...);
 * a kernel: run as written, its operands in their traced dtypes, and
-  listed by `explain` (host callbacks, ``pallas_call``; see
-  `rules.kernels`);
+  listed by `explain` (host callbacks, ``pallas_call``: the ``kernel``
+  fact, see `rules.kernels`);
 * a scalar combiner: the ``add`` of a scatter-add, a reduction's monoid
-  (not user code: the primitive runs as a first-order one);
+  (not user code: the primitive runs as a first-order one; the
+  ``combines_scalars`` fact, see `rules.classes`);
 * refused: `check` raises `UnsupportedPrimitiveError` naming it, why,
   and the ways out (`full_precision()`, `OpRules.with_rule`).
 
 `check` is the runtime guard: any equation with a sub-computation that
-has no rule (these lists, or a custom rule of the user's) is refused, so
+has no rule (these entries, or a custom rule of the user's) is refused, so
 a primitive a newer JAX adds cannot pass through unnoticed.
 """
 
@@ -28,6 +29,7 @@ from typing import Optional
 
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
+from mpolicy._src.rules import facts
 
 INTERPRETED = "interpreted"
 KERNEL = "kernel"
@@ -71,9 +73,10 @@ REFUSED_PRIMITIVES: dict[str, str] = {
 
 def handling(primitive) -> Optional[str]:
   """How mpolicy handles ``primitive`` when its params carry a
-  sub-computation: `INTERPRETED`, `KERNEL`, `COMBINER`, `REFUSED` (with a
-  reason, `REFUSED_PRIMITIVES`), or None: no entry (the guard refuses it
-  with a generic reason).
+  sub-computation: `INTERPRETED`, `KERNEL` (its ``kernel`` fact),
+  `COMBINER` (its ``combines_scalars`` fact), `REFUSED` (with a reason,
+  `REFUSED_PRIMITIVES`), or None: no entry (the guard refuses it with a
+  generic reason).
 
   >>> import jax
   >>> handling(jax.lax.scan_p), handling(jax.lax.exp_p)
@@ -83,9 +86,10 @@ def handling(primitive) -> Optional[str]:
   """
   if higher_order.rule_for(primitive) is not None:
     return INTERPRETED
-  if primitive in jax_compat.KERNEL_PRIMITIVES:
+  known = facts.of(primitive)
+  if known.kernel:
     return KERNEL
-  if primitive in jax_compat.SCALAR_COMBINER_PRIMITIVES:
+  if known.combines_scalars:
     return COMBINER
   if primitive.name in REFUSED_PRIMITIVES:
     return REFUSED
@@ -117,7 +121,7 @@ def check(eqn, rules) -> None:
       f"a sub-computation ({what})"
       + (f", {reason}" if reason else "")
       + f". mpolicy interprets {', '.join(higher_order.supported())} and "
-      f"runs kernels ({', '.join(sorted(p.name for p in jax_compat.KERNEL_PRIMITIVES))}) "
+      f"runs kernels ({', '.join(facts.names_with('kernel'))}) "
       f"with their traced dtypes; it passes nothing through unseen. Ways "
       f"out: run it as written inside `with mpolicy.full_precision():`, or "
       f"give it a rule of your own, `amp(fn, rules=mpolicy.DEFAULT_RULES"

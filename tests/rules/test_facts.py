@@ -16,6 +16,8 @@ import pytest
 import mpolicy
 from mpolicy._src import jax_compat
 from mpolicy._src import recording
+from mpolicy._src import sub_computations
+from mpolicy._src.jax_compat import linearize as linearize_lib
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 
@@ -47,8 +49,12 @@ def test_the_facts_rules_ask_for_are_registered():
   assert not facts.of(jax.lax.dynamic_slice_p).looks_up
   assert facts.of(jax_compat.convert_element_type_p).casts
   assert not facts.of(jax_compat.bitcast_convert_type_p).casts
+  assert facts.of(jax.lax.scatter_add_p).combines_scalars
+  assert facts.of(jax_compat.pallas_call_p).kernel
+  assert facts.of(jax_compat.ref_swap_p).binds_plainly
   exp = facts.of(jax.lax.exp_p)
-  assert not (exp.commutes or exp.looks_up or exp.casts)
+  assert not (exp.commutes or exp.looks_up or exp.casts or exp.binds_plainly
+              or exp.combines_scalars or exp.kernel)
 
 
 def _scaled_by_sum(x, w):
@@ -87,6 +93,38 @@ def test_a_result_only_cast_to_float32_stays_float32(patched_facts):
   patched_facts(jax_compat.convert_element_type_p, casts=False)
   row = _row(exp_then_cast, "exp", x)
   assert row.decided_by.endswith("; computed in float32, stored in bfloat16")
+
+
+def _linearizations() -> int:
+  return linearize_lib._linearization.cache_info().currsize  # pylint: disable=protected-access
+
+
+def test_a_primitive_that_binds_plainly_is_not_linearized_once_per_signature(
+    patched_facts):
+  eqn = jax.make_jaxpr(jnp.sin)(1.0).eqns[0]
+  grad = jax.grad(lambda x: base.bind(eqn, [x])[0])
+  jax.clear_caches()  # Empties the linearizations too.
+  assert float(grad(0.5)) == pytest.approx(float(jnp.cos(0.5)))
+  assert _linearizations() == 1
+  patched_facts(jax.lax.sin_p, binds_plainly=True)
+  jax.clear_caches()
+  assert float(grad(0.5)) == pytest.approx(float(jnp.cos(0.5)))
+  assert _linearizations() == 0
+
+
+def test_kernels_and_scalar_combiners_are_known_by_their_facts(
+    patched_facts):
+  assert sub_computations.handling(jax.lax.scatter_add_p) == "scalar combiner"
+  assert sub_computations.handling(jax_compat.pallas_call_p) == "kernel"
+  patched_facts(jax.lax.scatter_add_p, combines_scalars=False)
+  patched_facts(jax_compat.pallas_call_p, kernel=False)
+  assert sub_computations.handling(jax.lax.scatter_add_p) is None
+  assert sub_computations.handling(jax_compat.pallas_call_p) is None
+  assert "pallas_call" not in facts.names_with("kernel")
+  # The runtime guard refuses what is no longer a scalar combiner.
+  scatter = lambda x: x.at[jnp.array([0, 2])].add(x[:2])
+  with pytest.raises(mpolicy.UnsupportedPrimitiveError, match="scatter-add"):
+    jax.make_jaxpr(mpolicy.amp(scatter, HALF))(jnp.ones(4))
 
 
 def _table_reads() -> set[str]:

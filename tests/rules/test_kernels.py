@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 import mpolicy
+from mpolicy._src import jax_compat
+from mpolicy._src import sub_computations
+from mpolicy._src.rules import facts
 
 from _helpers import jax_error, walk_eqns
 
@@ -173,3 +176,17 @@ def test_a_rule_for_every_kernel_and_a_name_that_wins():
 def test_kernel_names_are_checked(name, error):
   with pytest.raises(ValueError, match=error):
     mpolicy.DEFAULT_RULES.with_rule(name, _in_bf16)
+
+
+def test_kernels_and_host_callbacks_are_facts():
+  assert facts.names_with("kernel") == [
+      "debug_callback", "inspect_sharding", "io_callback", "pallas_call",
+      "pure_callback"]
+  assert sub_computations.handling(jax_compat.pallas_call_p) == "kernel"
+  # A host callback is bound as is (Python code, with effects for some); a
+  # Pallas kernel may be linearized once per signature like any primitive.
+  callbacks = {p.name for p in jax_compat.CALLBACK_PRIMITIVES}
+  assert callbacks == {"pure_callback", "io_callback", "debug_callback"}
+  assert callbacks <= set(facts.names_with("binds_plainly"))
+  assert not facts.of(jax_compat.pallas_call_p).binds_plainly
+  assert not facts.of(jax.lax.exp_p).kernel

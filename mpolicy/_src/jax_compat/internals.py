@@ -247,22 +247,10 @@ closed_call_p = _optional(_core, "closed_call_p")
 linear_solve_p = _optional(_control_flow, "linear_solve_p")
 core_call_p = _optional(_core, "call_p")
 
-# Primitives whose jaxpr params are small scalar combiners (the `add` of a
-# scatter-add, the monoid of a generic reduce), not user code: the
-# interpreter runs them as first-order primitives.
-SCALAR_COMBINER_PRIMITIVES = frozenset(
-    p for p in (
-        _optional(jax.lax, "scatter_p"), _optional(jax.lax, "scatter_add_p"),
-        _optional(jax.lax, "scatter_sub_p"), _optional(jax.lax, "scatter_mul_p"),
-        _optional(jax.lax, "scatter_min_p"), _optional(jax.lax, "scatter_max_p"),
-        _optional(jax.lax, "reduce_p"), _optional(jax.lax, "reduce_window_p"),
-        _optional(jax.lax, "select_and_scatter_p"),
-        _optional(jax.lax, "select_and_gather_add_p"),
-    ) if p is not None)
-
 # Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
 # `jax.debug.callback` and `jax.debug.print`): Python code that receives its
-# operands as arrays of the dtypes it was traced with.
+# operands as arrays of the dtypes it was traced with. `rules.kernels`
+# registers their facts; the rest of mpolicy reads those.
 CALLBACK_PRIMITIVES = frozenset(
     p for p in (
         _optional(_callback, "pure_callback_p"),
@@ -284,7 +272,8 @@ except (ImportError, AttributeError):
 
 # Primitives that run code mpolicy does not see into as kernels: host
 # callbacks and Pallas kernels. Their operands arrive in the dtypes they
-# were traced with (an explicit rule each; see `rules.kernels`).
+# were traced with (an explicit rule each, and the ``kernel`` fact the rest
+# of mpolicy reads; see `rules.kernels`).
 KERNEL_PRIMITIVES = frozenset(
     p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
                 _optional(_debugging, "inspect_sharding_p"))
@@ -575,7 +564,6 @@ __all__ = [
     "primitive_names",
     "primitives_named",
     "remat_p",
-    "SCALAR_COMBINER_PRIMITIVES",
     "scan_p",
     "scope_names",
     "shard_map_p",

@@ -169,11 +169,15 @@ Rule = Callable[[Op], Optional[list]]
 
 
 def bind(eqn, args, params=None) -> list:
-  """Binds ``eqn``'s primitive on ``args`` (via `staged`); always returns a
-  list."""
+  """Binds ``eqn``'s primitive on ``args``: as is where its facts say so
+  (``binds_plainly``), else via `staged`; always returns a list."""
   params = eqn.params if params is None else params
-  out = staged.bind(eqn.primitive, *args, **params)
-  return list(out) if eqn.primitive.multiple_results else [out]
+  prim = eqn.primitive
+  if facts_lib.of(prim).binds_plainly:
+    out = prim.bind(*args, **params)
+  else:
+    out = staged.bind(prim, *args, **params)
+  return list(out) if prim.multiple_results else [out]
 
 
 def bound(eqn):

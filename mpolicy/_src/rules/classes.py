@@ -33,7 +33,8 @@ What each class means:
 The registrations below are PyTorch autocast's fp32 and promote lists,
 translated to JAX primitives, and the facts the rules read (which
 primitives act element by element, broadcast, scale, or re-arrange a
-parameter).
+parameter, which carry scalar combiners, and which place, shard or key
+values and so are bound as they are).
 """
 
 from __future__ import annotations
@@ -419,3 +420,18 @@ facts.register(("reshape", "broadcast_in_dim", "transpose", "squeeze",
 # fill value) is still that constant, and follows the arrays it meets.
 facts.register(("broadcast_in_dim", "reshape", "squeeze", "copy"),
                keeps_constant=True)
+
+# Placement, sharding, named mesh axes and PRNG keys: bound as is, never
+# through `staged`'s linearization cache (`base.bind`).
+facts.register(("device_put", "sharding_constraint", "reshard", "pvary",
+                "axis_index", "random_seed", "random_wrap", "random_unwrap"),
+               binds_plainly=True)
+
+# Primitives whose jaxpr params are small scalar combiners (a scatter-add's
+# `add`, a generic reduction's monoid), not user code: they run as
+# first-order primitives (`sub_computations`), at their traced dtypes
+# (`base.bind_natural`).
+facts.register(("scatter", "scatter-add", "scatter-sub", "scatter-mul",
+                "scatter-min", "scatter-max", "reduce", "reduce_window",
+                "select_and_scatter", "select_and_gather_add"),
+               combines_scalars=True)

@@ -2,10 +2,11 @@
 
 One `Facts` record per primitive, filled by `register` calls that sit
 beside the code they describe: the element-wise and reduction primitives
-in `classes`, the special ones in `special`, each matmul-like family in its
-own file (`matmul`, `conv`). The shipped `OpRules` table (``DEFAULT_RULES``)
-is the ``op_class`` and ``reason`` of every registered primitive, so adding
-an element-wise op that always runs in float32 is one line:
+in `classes`, the special ones in `special`, the kernels in `kernels`,
+each matmul-like family in its own file (`matmul`, `conv`). The shipped
+`OpRules` table (``DEFAULT_RULES``) is the ``op_class`` and ``reason`` of
+every registered primitive, so adding an element-wise op that always runs
+in float32 is one line:
 
 >>> import jax
 >>> f = of(jax.lax.exp_p)
@@ -67,6 +68,16 @@ class Facts:
       `jax_compat.cast_target` reads): a cast to float32 reads its operand
       in float32, as a ``full`` op does.
     accumulates: its ``preferred_element_type`` follows re-typed inputs.
+    binds_plainly: bound as is, never through the linearization cache of
+      `staged` (see `base.bind`): it runs host code or has effects, names
+      mesh axes, places or shards values, makes or unwraps PRNG keys, or
+      makes or touches mutable references.
+    combines_scalars: its jaxpr params are small scalar combiners (a
+      scatter-add's ``add``, a reduction's monoid), not user code: it runs
+      as a first-order primitive (see `sub_computations`).
+    kernel: it runs code mpolicy does not see into (a host callback, a
+      Pallas kernel): as written, its operands in their traced dtypes, and
+      listed by `explain` (see `kernels`).
     special: a rule for this primitive run before its class rule (see
       `dispatch`); it may decline by returning ``None``.
     lower: the family's half rule for a ``lower`` op: ``fn(op, compute,
@@ -87,6 +98,9 @@ class Facts:
   looks_up: bool = False
   casts: bool = False
   accumulates: bool = False
+  binds_plainly: bool = False
+  combines_scalars: bool = False
+  kernel: bool = False
   special: Optional[Callable[..., Any]] = None
   lower: Optional[Callable[..., Any]] = None
   lower_fp8: Optional[Callable[..., Any]] = None
@@ -158,6 +172,11 @@ def default_table() -> dict[str, tuple[str, str]]:
   """Primitive name -> ``(op_class, reason)`` for every classed primitive."""
   return {p.name: (f.op_class, f.reason) for p, f in _FACTS.items()
           if f.op_class is not None}
+
+
+def names_with(fact: str) -> list[str]:
+  """The sorted names of the primitives for which ``fact`` is set."""
+  return sorted(p.name for p, f in _FACTS.items() if getattr(f, fact))
 
 
 def version() -> int:

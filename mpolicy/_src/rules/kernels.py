@@ -60,3 +60,7 @@ facts.register([p for p in jax_compat.KERNEL_PRIMITIVES
                 if p is not jax_compat.pallas_call_p], special=_callback)
 if jax_compat.pallas_call_p is not None:
   facts.register(jax_compat.pallas_call_p, special=_pallas)
+facts.register(jax_compat.KERNEL_PRIMITIVES, kernel=True)
+# A host callback runs Python code (with effects, for some): bound as is,
+# never through `staged`'s linearization cache (`base.bind`).
+facts.register(jax_compat.CALLBACK_PRIMITIVES, binds_plainly=True)

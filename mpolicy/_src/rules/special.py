@@ -3,8 +3,9 @@
 An explicit cast, a bit reinterpretation, a write to a mutable reference,
 and a broadcast or gather of a value cast down from float32. Each rule is
 registered as its primitive's ``special`` fact; a special rule may decline
-(return ``None``), and the class rule then runs. Host callbacks and Pallas
-kernels are in `kernels`.
+(return ``None``), and the class rule then runs. The primitives that make,
+read, write or freeze references are bound as they are (``binds_plainly``).
+Host callbacks and Pallas kernels are in `kernels`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def _store(op: base.Op) -> list:
 
 facts.register([p for p in (jax_compat.ref_swap_p, jax_compat.ref_addupdate_p)
                 if p is not None], special=_store)
+# Making, reading, writing and freezing references: bound as is, never
+# through `staged`'s linearization cache (`base.bind`): a traced function
+# may not return a reference.
+facts.register(("new_ref", "empty_ref", "get", "swap", "addupdate", "freeze"),
+               binds_plainly=True)
 
 
 def _in_wider_source(op: base.Op) -> Optional[list]:
