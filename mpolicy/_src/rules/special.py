@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax.numpy as jnp
+import numpy as np
+
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import regions
@@ -59,7 +62,25 @@ def _convert(op: base.Op) -> Optional[list]:
     # As written: the cast alone, as XLA would compile it without `amp`
     # (no rounding made explicit, see `widen`).
     return base.bind(op.eqn, op.args)
+  if op.rule == base.JAX_CAST and _loses_range(op, new_dtype):
+    op.why += ("; kept in float32, as a full op's result: float16 would "
+               "overflow where float32 does not")
+    op.ran_in = "float32"
+    return [op.args[0]]
   return [op.env.cast(op.args[0], new_dtype)]
+
+
+def _loses_range(op: base.Op, new_dtype) -> bool:
+  """Whether ``op`` is JAX narrowing a float32 value it computed back to
+  float16: ``jnp.var`` of a float16 array computes in float32 and returns
+  float16, and a variance past 65504 becomes inf there (a LayerNorm then
+  hands on its offset alone, every value finite). Kept in float32, the
+  statistic reaches its readers (``rsqrt``, ``x - mean``) whole, as a
+  ``full`` op's float32 result does under float16."""
+  x = op.args[0]
+  return (np.dtype(new_dtype) == jnp.float16
+          and dtypes.dtype_of(x) == jnp.float32 and dtypes.is_traced(x)
+          and op.env.const_of(x) is None)
 
 
 facts.register(jax_compat.convert_element_type_p, special=_convert,
