@@ -168,14 +168,13 @@ def test_a_masked_nonfinite_value_is_no_origin_but_its_gradient_is():
 
 @pytest.mark.slow  # Beyond the seeded failures: run with -m slow.
 def test_an_op_outside_modules_is_fixed_by_running_it_alone_in_float32():
-  # jnp.mean of float16 sums in float32 and casts the mean back: that cast
-  # (JAX's, inside mean) overflows; kept in float32 it does not.
-  f = mpolicy.amp(lambda x: jnp.mean(jnp.exp(x)) * 1e-4, HALF16)  # MEAN
-  x = jnp.full(4, 12.0, jnp.float16)  # exp(12) > 65504.
+  # A float16 product past 65504 overflows; in float32 it does not.
+  f = mpolicy.amp(lambda x: jnp.sum(x * x) * 1e-4, HALF16)  # SQUARE
+  x = jnp.full(4, 300.0, jnp.float16)  # 300 ** 2 > 65504.
   report = mpolicy.locate_nonfinite(f, x, grad=False)
   assert (report.primitive, report.path, report.dtype) == (
-      "convert_element_type", "", "float16")
-  assert report.source == _line("# MEAN")
+      "mul", "", "float16")
+  assert report.source == _line("# SQUARE")
   assert report.fixed_by_float32
   assert "Running that op in float32 makes every value finite" in str(report)
 

@@ -52,6 +52,14 @@ def test_explain_says_the_statistic_stays_float32():
   assert "kept in float32" in text and "overflow" in text
 
 
+def test_a_float16_mean_past_65504_stays_finite():
+  # exp runs in float32; jnp.mean sums in float32 and JAX casts the mean
+  # back to float16: kept in float32, 1.6e5 is no inf.
+  f = mpolicy.amp(lambda x: jnp.mean(jnp.exp(x)), F16)
+  y = f(jnp.full(4, 12.0, jnp.float16))
+  np.testing.assert_allclose(float(y), np.exp(12.0), rtol=1e-3)
+
+
 def test_a_written_cast_to_float16_stays_as_written():
   # The code's own cast is the code's choice: it overflows as written (the
   # float32 sum, 2.3e7, would not).

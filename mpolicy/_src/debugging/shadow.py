@@ -16,7 +16,7 @@ pooled over every call (every loop iteration), and compared norm-wise:
 difference) and a noise (the spread around it), both relative to the RMS
 of ``want``, so that ``rel_error**2 == bias**2 + noise**2``. A module's
 parameters' gradients are compared the same way, as one vector. Of a value
-with more than `SAMPLE` elements an evenly strided `SAMPLE` are kept and
+with more than `SAMPLE` elements a fixed random `SAMPLE` are kept and
 compared (gradients whole): a run holds a bounded sample of every value it
 made, and the walker drops each value after its last read.
 """
@@ -28,9 +28,10 @@ from collections.abc import Callable
 import dataclasses
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import registry
@@ -50,23 +51,49 @@ class Error:
 
   @classmethod
   def of(cls, got: list, want: list) -> Optional["Error"]:
+    """The error of ``got`` against ``want``, pooled: arrays, or `Kept`
+    samples, each weighted by how many elements it stands for."""
     if not got:
       return None
-    g = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in got])
-    w = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in want])
+    g, weights = _flat(got)
+    w, _ = _flat(want)
     if not g.size:
       return None
     d = g - w
-    norm = float(np.linalg.norm(w))
-    rms = norm / np.sqrt(w.size)
     if not np.all(np.isfinite(d)):
       return cls(float("inf"), float("nan"), float("nan"), g.size)
+    count = float(np.sum(weights))
+    norm = float(np.sqrt(np.sum(weights * w * w)))
     if norm == 0.0:
       rel = 0.0 if not np.any(d) else float("inf")
       return cls(rel, 0.0 if rel == 0 else float("nan"),
                  0.0 if rel == 0 else float("nan"), g.size)
-    return cls(float(np.linalg.norm(d)) / norm, float(np.mean(d)) / rms,
-               float(np.std(d)) / rms, g.size)
+    rms = norm / np.sqrt(count)
+    mean = float(np.sum(weights * d)) / count
+    spread = float(np.sqrt(np.sum(weights * (d - mean) ** 2) / count))
+    return cls(float(np.sqrt(np.sum(weights * d * d))) / norm, mean / rms,
+               spread / rms, g.size)
+
+
+class Kept(NamedTuple):
+  """What a run keeps of one value: its elements, or a random `SAMPLE` of
+  them (``weight``: how many elements each kept one stands for)."""
+  values: Any
+  weight: float
+  shape: tuple
+
+
+def _flat(items: list) -> tuple[np.ndarray, np.ndarray]:
+  """The elements of ``items`` (arrays or `Kept`) as one float64 vector,
+  and each element's weight."""
+  parts, weights = [], []
+  for item in items:
+    values, weight = ((item.values, item.weight) if isinstance(item, Kept)
+                      else (item, 1.0))
+    flat = np.asarray(values, np.float64).reshape(-1)
+    parts.append(flat)
+    weights.append(np.full(flat.shape, weight))
+  return np.concatenate(parts), np.concatenate(weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,22 +343,32 @@ class Outputs:
 
 
 SAMPLE = 1 << 14
-"""The most elements of one value `Outputs` keeps (evenly strided): what a
-run holds stays bounded by the number of values, not their size."""
+"""The most elements of one value `Outputs` keeps (a fixed random subset):
+what a run holds stays bounded by the number of values, not their size."""
 
 
-def sample(x):
-  """``x`` itself, or, with more than `SAMPLE` elements, every k-th of them
-  (the same ones for values of the same shape: both runs' are paired)."""
+def sample(x) -> Kept:
+  """``x`` itself, or, with more than `SAMPLE` elements, `SAMPLE` of them
+  picked at random, the same ones for every value of that size (both runs'
+  are paired). Random, not strided: a stride that divides a row would keep
+  the same few features of every row. Weighted by the elements each
+  stands for, samples of values of different sizes pool as the whole
+  values would."""
   size = int(np.size(x))
   if size <= SAMPLE:
-    return x
-  return _strided(x, -(-size // SAMPLE))
+    return Kept(x, 1.0, tuple(np.shape(x)))
+  return Kept(_take(x, _indices(size)), size / SAMPLE, tuple(np.shape(x)))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _strided(x, stride: int):
-  return x.reshape(-1)[::stride]
+@functools.lru_cache(maxsize=256)
+def _indices(size: int) -> jax.Array:
+  picked = np.random.default_rng(size).choice(size, SAMPLE, replace=False)
+  return jnp.asarray(np.sort(picked).astype(np.int32))
+
+
+@jax.jit
+def _take(x, indices):
+  return x.reshape(-1)[indices]
 
 
 def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:
@@ -412,7 +449,7 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
     mine, theirs = getattr(got_out, kind), getattr(want_out, kind)
     pairs = [(mine[k], theirs.get(k)) for k in keys]
     pairs = [(g, w) for g, w in pairs
-             if w is not None and np.shape(g) == np.shape(w)]
+             if w is not None and g.shape == w.shape]
     return [g for g, _ in pairs], [w for _, w in pairs]
 
   def by_unit(kept: dict) -> dict:
