@@ -18,12 +18,14 @@ batches it trains:
   python examples/precision_islands.py --mp_policy=p=f32,c=f8,o=f32 \
       --mp_scale_type=NoOp --fp8_matmuls=all --island_dtype=bfloat16
 
-At its defaults (learning rate 0.01) float16 keeps up and nothing is
-suggested. At 0.02, before mpolicy kept `jnp.var`'s float32 statistic in
-float32 under float16, the residual stream outgrew a float16 LayerNorm
-(its variance inf, its output its offset alone, every value finite) and
-the islands it found were LayerNorms (docs/debugging.md tabulates the
-runs).
+At its defaults (learning rate 0.03, float16 on every module) the
+attention scores of the first block pass 65504 as training goes on: the
+loss is not finite, every such step is skipped and no loss scale helps
+(the overflow is in the forward pass), and the half run ends in NaN. The
+islands it finds keep that attention's own ops (its score and value
+matmuls, not its projections) and the last LayerNorm in float32; 96% of
+the matmul FLOPs stay in float16 (docs/debugging.md tabulates the runs).
+At a learning rate of 0.01 float16 keeps up and nothing is suggested.
 
 It prints the suggestion, the `set_policy` lines that reproduce it, and a
 table: test loss and its distance from float32, the share of matmul FLOPs
@@ -56,12 +58,12 @@ flags.DEFINE_enum("fp8_matmuls", "all", ["all", "weights"],
                   "(OpRules.with_fp8(matmuls=...)).")
 flags.DEFINE_enum("island_dtype", "float32", ["float32", "bfloat16"],
                   "The dtype the islands compute in.")
-flags.DEFINE_float("tolerance", 0.1,
+flags.DEFINE_float("tolerance", 0.3,
                    "The relative error suggest_policy allows for the loss and "
-                   "its gradients (against float32). Float16 gradients of "
-                   "this model differ from float32's by several percent "
-                   "where training does not suffer: 0.05 buys islands that "
-                   "do not change the loss curve.")
+                   "its gradients (against float32). At these learning "
+                   "rates float16 gradients of this model differ from "
+                   "float32's by 10-20% where training does not suffer: 0.1 "
+                   "buys islands that do not change the loss curve.")
 flags.DEFINE_integer("max_evals", 16,
                      "How many times suggest_policy may run the loss.")
 flags.DEFINE_integer("probes", 3,
@@ -210,6 +212,6 @@ def report(name: str, metrics: dict) -> None:
 
 
 if __name__ == "__main__":
-  mp_flags.run(main, steps=300, batch_size=32, learning_rate=0.01,
+  mp_flags.run(main, steps=300, batch_size=32, learning_rate=0.03,
                log_every=0, mp_policy="p=f32,c=f16,o=f32",
                mp_scale_type="Dynamic", d_model=128, remat=False)
