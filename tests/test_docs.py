@@ -50,7 +50,15 @@ def test_there_are_docs_pages():
   assert len(PAGES) >= 8, [p.name for p in PAGES]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# Pages whose examples take most of a minute (the debugging tools run a
+# program op by op): slow, run by CI's newest job (.ci/run); the tests of
+# tests/debugging check the same tools on both JAX ends.
+SLOW_PAGES = {"debugging.md"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p
+    for p in PAGES], ids=lambda p: p.name)
 def test_page_examples_run(page):
   namespace = {"__name__": f"docs_{page.stem}"}
   for block in _python_blocks(page.read_text()):

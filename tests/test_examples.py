@@ -155,11 +155,16 @@ def test_optimizer_lesson_runs_as_a_file_and_tabulates_its_mode(tmp_path):
   assert np.isfinite(float(row[4])) and row[5] == "+0.00%"  # vs itself.
 
 
+# One recipe runs as a file by default; CI's newest job runs the others as
+# files too (.ci/run), and tests/test_porting.py runs each in process.
+_SLOW = {"marks": pytest.mark.slow}
+
+
 @pytest.mark.parametrize("recipe, printed", [
-    ("haiku_jmp", r"loss \d\.\d{3}, loss scale 32768\.0"),
+    pytest.param("haiku_jmp", r"loss \d\.\d{3}, loss scale 32768\.0", **_SLOW),
     ("haiku_f32", r"loss \d\.\d{3}"),
-    ("flax_linen", r"loss \d\.\d{3}"),
-    ("equinox_mlp", r"loss \d\.\d{3}"),
+    pytest.param("flax_linen", r"loss \d\.\d{3}", **_SLOW),
+    pytest.param("equinox_mlp", r"loss \d\.\d{3}", **_SLOW),
 ])
 def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   pytest.importorskip({"flax_linen": "flax",
@@ -169,6 +174,7 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   assert re.fullmatch(printed, out.strip()), out
 
 
+@pytest.mark.slow  # CI's newest job runs it (.ci/run); tests/debugging too.
 def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
   rc, out, err = run_example(
       "precision_islands", "--steps=1", "--batch_size=2", *TINY_MODEL,
@@ -195,7 +201,7 @@ def test_every_example_script_is_run_as_a_file_by_a_test():
     source = f.read()
   tested = set(re.findall(r'run_example\(\s*"(\w+)"', source))
   tested |= {"porting/" + n for n in re.findall(
-      r'^    \("(\w+)", r"loss', source, flags=re.M)}
+      r'^    (?:pytest\.param)?\("(\w+)", r"loss', source, flags=re.M)}
   assert found - LIBRARIES == tested, (
       "scripts without a test that runs them as a file: "
       f"{sorted(found - LIBRARIES - tested)}")

@@ -50,9 +50,20 @@ def run(f, x, w):
   return out, grads
 
 
+_references = {}
+
+
+def reference(ref_f, x, w):
+  """`run(ref_f, x, w)`, computed once for each reference and operands."""
+  key = (id(ref_f), id(x), id(w))
+  if key not in _references:  # The value keeps the keys' objects alive.
+    _references[key] = (run(ref_f, x, w), ref_f, x, w)
+  return _references[key][0]
+
+
 def compare(f, ref_f, x, w, xs=None, ws=None):
   out, grads = run(f, x if xs is None else xs, w if ws is None else ws)
-  ref, ref_grads = run(ref_f, x, w)
+  ref, ref_grads = reference(ref_f, x, w)
   return {"out": rel(out, ref),
           "grads": max(rel(g, r) for g, r in zip(grads, ref_grads))}
 
