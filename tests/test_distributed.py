@@ -15,6 +15,10 @@ import pytest
 
 from _helpers import fact
 
+# An 8-device script (10-17 s on 2 cores): CI runs it after the default
+# run, in both jobs (-m ci).
+pytestmark = pytest.mark.ci
+
 
 EIGHT_DEVICES = r'''
 import json, re

@@ -77,6 +77,7 @@ def explain_cells(out):
 TINY_MODEL = ("--seq_len=8", "--d_model=8", "--num_heads=2", "--num_layers=1")
 
 
+@pytest.mark.ci  # Runs the main job as a file, 16 s on 2 cores: after the default run.
 def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   png = tmp_path / "digits.png"
   rc, out, err = run_example("digits_cnn", "--steps=3", "--batch_size=16",
@@ -305,6 +306,7 @@ def test_explain_column_is_the_library_summary():
 # --- Flax and Equinox ------------------------------------------------------------
 
 
+@pytest.mark.ci  # Runs the script, 8 s on 2 cores: after the default run.
 def test_flax_example_runs_as_a_file(tmp_path):
   pytest.importorskip("flax")
   rc, out, err = run_example("flax_mlp", "--steps=3", "--batch_size=16",
@@ -401,7 +403,8 @@ def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
 
 
 @pytest.mark.parametrize("flag", [
-    "",
+    # CI runs this one after the default run, in both jobs (7 s on 2 cores).
+    pytest.param("", marks=pytest.mark.ci),
     # CI's newest job runs these (.ci/run); tests/test_distributed.py checks
     # the same modes in process.
     pytest.param("--fsdp", marks=pytest.mark.slow),

@@ -142,11 +142,13 @@ def _check_plain_parity(facts, case):
   assert "error" not in amp, amp
 
 
+@pytest.mark.ci  # An 8-device script, 11 s on 2 cores: after the default run.
 @pytest.mark.parametrize("case", CASES)
 def test_the_gradient_is_one_devices_and_stays_bfloat16(eight_devices, case):
   _check_gradient(eight_devices, case)
 
 
+@pytest.mark.ci  # The same script (see above).
 @pytest.mark.parametrize("case", CASES)
 def test_where_plain_haiku_runs_amp_runs_too(eight_devices, case):
   _check_plain_parity(eight_devices, case)

@@ -16,6 +16,7 @@ from _mp_runs import MORE_TRAINING, TRAINING
 # --- Training -----------------------------------------------------------------
 
 
+@pytest.mark.ci  # Two- and one-process runs, 17 s on 2 cores: after the default run.
 @pytest.mark.parametrize("check", TRAINING)
 def test_both_processes_see_the_same_results(two, check):
   assert two[0][check] == two[1][check]
@@ -34,10 +35,12 @@ def _trains_as_one_process(got, want):
   close(got["w1"], want["w1"])
 
 
+@pytest.mark.ci  # The same runs (see above).
 def test_jit_with_named_sharding_trains_as_one_process(one, two):
   _trains_as_one_process(two[0]["data_parallel"], one["data_parallel"])
 
 
+@pytest.mark.ci  # The same runs (see above).
 def test_fsdp_trains_as_one_process(one, two):
   # The checkpoint checks train two steps with FSDP params before saving.
   close(two[0]["checkpoint"]["saved"]["w1"], one["checkpoint"]["w1"])
@@ -48,6 +51,7 @@ def test_fsdp_with_a_skipped_step_trains_as_one_process(one_more, two_more):
   _trains_as_one_process(two_more[0]["fsdp"], one_more["fsdp"])
 
 
+@pytest.mark.ci  # The same runs (see above).
 def test_an_inf_in_the_last_process_rows_skips_the_step_on_both(two):
   for facts in two:
     run = facts["data_parallel"]

@@ -12,6 +12,10 @@ import pytest
 
 from _mp_runs import fewer, one, two  # pylint: disable=unused-import
 
+# Two- and one-process runs (10-17 s on 2 cores): CI runs them after the
+# default run, in both jobs (-m ci).
+pytestmark = pytest.mark.ci
+
 FSDP = "('data',)"
 
 

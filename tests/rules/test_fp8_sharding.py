@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# An 8-device script (10-17 s on 2 cores): CI runs it after the default
+# run, in both jobs (-m ci).
+pytestmark = pytest.mark.ci
+
 
 EIGHT_DEVICES = r'''
 import json

@@ -108,6 +108,7 @@ def _gpt_losses():
           _loss_of(plain.apply), params, tokens)
 
 
+@pytest.mark.ci  # Two GPT traces, 6 s on 2 cores: after the default run.
 def test_gpt_keeps_no_more_float32_residuals_than_jmp():
   amp_loss, jmp_loss, _, params, tokens = _gpt_losses()
   ours = residual_bytes(amp_loss, params, tokens)
