@@ -314,7 +314,7 @@ def _cuda_converts(variant):
   return converted_elements(text)
 
 
-@pytest.mark.ci  # Two CUDA lowerings, 13 s on 2 cores: after the default run.
+@pytest.mark.ci  # Two CUDA lowerings, 13 s on 2 cores.
 def test_amp_over_apply_converts_no_more_than_transform_amp_on_cuda():
   # Read from the CUDA lowering (no GPU needed). Code traced in float32
   # divides softmax's exponentials by a float32 sum and centres layer norms

@@ -20,7 +20,7 @@ def bench():
   return module
 
 
-@pytest.mark.ci  # Runs the benchmark, 10 s on 2 cores: after the default run.
+@pytest.mark.ci  # Runs the benchmark, 10 s on 2 cores.
 def test_float32_adam_holds_12_bytes_and_the_6_byte_mode_6(bench):
   model = bench.gpt_model(scale=64)
   variants = [bench.VARIANTS[0], bench.VARIANTS[-1]]

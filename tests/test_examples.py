@@ -77,7 +77,7 @@ def explain_cells(out):
 TINY_MODEL = ("--seq_len=8", "--d_model=8", "--num_heads=2", "--num_layers=1")
 
 
-@pytest.mark.ci  # Runs the main job as a file, 16 s on 2 cores: after the default run.
+@pytest.mark.ci  # Runs the main job as a file, 16 s on 2 cores.
 def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
   png = tmp_path / "digits.png"
   rc, out, err = run_example("digits_cnn", "--steps=3", "--batch_size=16",
@@ -306,7 +306,7 @@ def test_explain_column_is_the_library_summary():
 # --- Flax and Equinox ------------------------------------------------------------
 
 
-@pytest.mark.ci  # Runs the script, 8 s on 2 cores: after the default run.
+@pytest.mark.ci  # Runs the script, 8 s on 2 cores.
 def test_flax_example_runs_as_a_file(tmp_path):
   pytest.importorskip("flax")
   rc, out, err = run_example("flax_mlp", "--steps=3", "--batch_size=16",
@@ -335,6 +335,7 @@ def test_flax_example_step_multiplies_in_bfloat16_and_updates_stats():
   assert mean.dtype == jnp.float32 and float(jnp.abs(mean).max()) > 0
 
 
+@pytest.mark.ci  # Runs the script, 5 s on 2 cores.
 def test_equinox_example_runs_as_a_file(tmp_path):
   pytest.importorskip("equinox")
   rc, out, err = run_example("equinox_mlp", "--steps=3", "--batch_size=16",

@@ -5,7 +5,7 @@ import pytest
 from test_examples import TINY_MODEL, assert_ok, run_example
 
 
-@pytest.mark.ci  # Runs the script, 10 s on 2 cores: after the default run.
+@pytest.mark.ci  # Runs the script, 10 s on 2 cores.
 def test_char_transformer_accumulates_over_microbatches(tmp_path):
   rc, out, err = run_example(
       "char_transformer", "--steps=2", "--batch_size=4", "--microbatches=2",

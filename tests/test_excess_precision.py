@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import mpolicy
 
@@ -67,6 +68,7 @@ def test_cross_entropy_of_half_logits_is_never_negative():
   _check(*per_example_losses())
 
 
+@pytest.mark.ci  # A subprocess with other XLA flags, 5 s on 2 cores.
 def test_same_without_excess_precision():
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), "--xla_allow_excess_precision=false"]))

@@ -142,7 +142,7 @@ def _check_plain_parity(facts, case):
   assert "error" not in amp, amp
 
 
-@pytest.mark.ci  # An 8-device script, 11 s on 2 cores: after the default run.
+@pytest.mark.ci  # An 8-device script, 11 s on 2 cores.
 @pytest.mark.parametrize("case", CASES)
 def test_the_gradient_is_one_devices_and_stays_bfloat16(eight_devices, case):
   _check_gradient(eight_devices, case)

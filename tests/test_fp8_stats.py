@@ -40,7 +40,7 @@ def test_non_finite_values_count_as_saturated():
   assert row.counts["lhs"].saturated == 1  # The inf.
 
 
-@pytest.mark.ci  # A transformer's fp8 statistics, 7 s on 2 cores: after the default run.
+@pytest.mark.ci  # A transformer's fp8 statistics, 7 s on 2 cores.
 def test_a_haiku_model_reports_each_linear_with_its_scope():
   mpolicy.set_policy(hk.Module, F8)
 

@@ -16,7 +16,7 @@ from _mp_runs import MORE_TRAINING, TRAINING
 # --- Training -----------------------------------------------------------------
 
 
-@pytest.mark.ci  # Two- and one-process runs, 17 s on 2 cores: after the default run.
+@pytest.mark.ci  # Two- and one-process runs, 17 s on 2 cores.
 @pytest.mark.parametrize("check", TRAINING)
 def test_both_processes_see_the_same_results(two, check):
   assert two[0][check] == two[1][check]

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+# An 8-device script (5 s on 2 cores, and its cases): CI runs it after the
+# default run, in both jobs (-m ci).
+pytestmark = pytest.mark.ci
+
 
 EIGHT_DEVICES = r'''
 import json

@@ -250,7 +250,7 @@ print("FACTS=" + json.dumps({
 '''
 
 
-@pytest.mark.ci  # An 8-device script, 8 s on 2 cores: after the default run.
+@pytest.mark.ci  # An 8-device script, 8 s on 2 cores.
 def test_a_nonfinite_value_on_one_device_of_a_shard_map(eight_devices):
   facts = eight_devices
   assert facts["healthy"]

@@ -208,6 +208,7 @@ def _gpt(tokens):
   return hk.Linear(32, name="head")(hk.LayerNorm(-1, True, True)(x))
 
 
+@pytest.mark.ci  # A GPT in float8, 5 s on 2 cores.
 def test_gpt_attention_in_bfloat16_linears_in_float8():
   mpolicy.set_policy(hk.Module, F8)
   model = mpolicy.transform_amp(_gpt)

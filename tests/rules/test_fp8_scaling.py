@@ -358,7 +358,7 @@ def test_per_module_fp8_trains_under_jit_grad():
   assert bool(mpolicy.all_finite(grads))
 
 
-@pytest.mark.ci  # A transformer step, 6 s on 2 cores: after the default run.
+@pytest.mark.ci  # A transformer step, 6 s on 2 cores.
 def test_example_flag_value_runs_a_transformer_step():
   # The value `--mp_policy=p=f32,c=f8,o=bf16` passes `get_policy`, and a
   # transformer-like model's optimizer step runs under it as the default.

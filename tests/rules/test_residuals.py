@@ -108,7 +108,7 @@ def _gpt_losses():
           _loss_of(plain.apply), params, tokens)
 
 
-@pytest.mark.ci  # Two GPT traces, 6 s on 2 cores: after the default run.
+@pytest.mark.ci  # Two GPT traces, 6 s on 2 cores.
 def test_gpt_keeps_no_more_float32_residuals_than_jmp():
   amp_loss, jmp_loss, _, params, tokens = _gpt_losses()
   ours = residual_bytes(amp_loss, params, tokens)
@@ -262,6 +262,7 @@ def test_cast_after_a_broadcast_sums_its_gradient_in_float32():
   assert t.dtype == BF16 and bool(jnp.all(t == 1))
 
 
+@pytest.mark.ci  # Two GPT traces, 6 s on 2 cores.
 def test_amp_over_apply_keeps_what_transform_amp_keeps():
   # Code traced in float32 centres and scales its layer norms by float32
   # statistics; under bfloat16 the rules store those values in bfloat16,
