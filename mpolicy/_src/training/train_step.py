@@ -222,6 +222,12 @@ def make_train_step(
   where = "make_train_step"
   reduce_dtype, average_state = _warn_if_ignored(
       reduce_dtype, average_state, axis_name, has_state)
+  reduce_dtype = arguments.require_float_dtype(
+      reduce_dtype, where, "reduce_dtype", none_ok=True,
+      none_means="each gradient averaged in its own dtype")
+  grad_dtype = arguments.require_float_dtype(
+      grad_dtype, where, "grad_dtype", none_ok=True,
+      none_means="each gradient in its parameter's dtype")
   optimizer = half_params.for_param_rounding(optimizer, param_rounding)
   k = microbatches_lib.check_microbatches(microbatches, where)
   batch_argnums = microbatches_lib.check_batch_argnums(batch_argnums, where)
