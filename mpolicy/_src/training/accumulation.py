@@ -130,8 +130,8 @@ def _naming(whole: tuple[str, ...], k: int, where: str):
         f"{where}: loss_fn failed on one microbatch ({type(e).__name__}: "
         f"{e}). With microbatches={k} only the positional arguments named by "
         "batch_argnums (all, if None) are split, and keyword arguments are "
-        "passed whole, so loss_fn sees 1/k of the batch next to these arrays"
-        " of the batch's full size: " + "; ".join(whole) + ". Pass a batched"
+        f"passed whole, so loss_fn sees 1/{k} of the batch next to these "
+        "arrays of the batch's full size: " + "; ".join(whole) + ". Pass a batched"
         " array positionally (and name it in batch_argnums, if given).") from e
 
 

@@ -150,8 +150,9 @@ def split(args: Sequence[Any], kwargs: dict[str, Any], k: int,
         whole.append((what + " (not in batch_argnums)", leaf))
     if i in batched and flat[-1] and not any(c[0] == i for c in chosen):
       _nothing_to_split(i, args[i], batch_argnums, names, where)
-  whole += [(f"keyword argument {name!r} (kwargs{jax.tree_util.keystr(path)}"
-             ", passed whole: keyword arguments are never split)", leaf)
+  whole += [(f"keyword argument {name!r} (kwargs[{name!r}]"
+             f"{jax.tree_util.keystr(path)}, passed whole: keyword arguments "
+             "are never split)", leaf)
             for name, value in kwargs.items()
             for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]
             if splits(leaf)]

@@ -351,8 +351,10 @@ def scaled_value_and_grad(
     unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
-    TypeError, ValueError: at once, if `fun` is not callable or
-      `max_retries` is not an int >= 0.
+    TypeError, ValueError: at once, if `fun` is not callable,
+      `max_retries` is not an int >= 0, or `grad_dtype` or `reduce_dtype`
+      is neither None nor a floating dtype (an integer or bool one would
+      truncate the gradients).
     TypeError: when `g` is called or traced, if its first argument is not a
       loss scale (a number, an array, or a forgotten loss scale: the message
       names `loss_scale` and the classes), if `fun` returns a non-scalar
