@@ -10,7 +10,6 @@ lines) are checked over the whole package here.
 from __future__ import annotations
 
 import ast
-import configparser
 import io
 import pathlib
 import re
@@ -103,21 +102,12 @@ def test_a_retry_redoes_the_whole_accumulated_attempt_at_a_lower_scale():
 @pytest.mark.parametrize("shape", [(12,), (12, 2), (12, 1, 3)])
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_the_split_is_strided(shape, k):
-  """Microbatch i holds rows i, i + k, ... (optax's column-major reshape)."""
+  """Microbatch i holds rows i, i + k, ..."""
   x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
   batch = microbatches.split((x,), {}, k, None, None, "test")
   assert batch.xs[0].shape == (k, 12 // k) + shape[1:]
   for i in range(k):
     np.testing.assert_array_equal(np.asarray(batch.xs[0][i]), x[i::k])
-
-
-def test_setup_declares_the_optax_that_has_microbatching():
-  config = configparser.ConfigParser()
-  config.read(ROOT / "setup.cfg")
-  requires = config["options"]["install_requires"].split()
-  floor = [r for r in requires if r.startswith("optax")]
-  assert floor == ["optax>=0.2.7"]  # optax.microbatching came in 0.2.7.
-  assert hasattr(optax.microbatching, "reshape_batch_axis")
 
 
 # --- The house limits ----------------------------------------------------------

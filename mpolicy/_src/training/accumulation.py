@@ -149,12 +149,14 @@ class _Types:
   back.
   """
 
-  def __init__(self, plan: "_Plan", params, state, first, kwargs):
+  def __init__(self, plan: "_Plan", params, state, first: Callable[[], Any],
+               kwargs):
+    """`first()` gives the first microbatch's data arguments."""
     axes = distributed.data_axes(plan.axis_name)
     self.data, self.typed = frozenset(axes), _typed(axes)
     self.vmas = self.added = None
     if self.typed:
-      self.vmas = _vmas_at_one(plan, params, state, first, kwargs)
+      self.vmas = _vmas_at_one(plan, params, state, first(), kwargs)
       self.added = jax.tree_util.tree_map(
           lambda p: self.data - jax_compat.varying_axes(p), params)
 
@@ -205,8 +207,8 @@ class _Plan:
                                    self.batch_argnums, names, self.where)
     rebuild = batch.rebuild
     with _naming(batch.whole, self.k, self.where):
-      types = _Types(self, params, state, rebuild([x[0] for x in batch.xs]),
-                     kwargs)
+      types = _Types(self, params, state,
+                     lambda: rebuild([x[0] for x in batch.xs]), kwargs)
       params = jax.tree_util.tree_map(types.widen, params)
       carry = self._start(params, state, types)
       carry_vmas = [jax_compat.varying_axes(c)
