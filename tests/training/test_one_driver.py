@@ -110,7 +110,7 @@ def test_the_split_is_strided(shape, k):
     np.testing.assert_array_equal(np.asarray(batch.xs[0][i]), x[i::k])
 
 
-# --- The house limits ----------------------------------------------------------
+# --- The house limits -------------------------------------------------------
 
 
 def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:

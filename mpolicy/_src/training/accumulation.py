@@ -1,17 +1,20 @@
 """Gradient accumulation: one loss-scaled step over k microbatches.
 
 `accumulated_value_and_grad` is `scaled_value_and_grad` (with respect to
-the first argument) over microbatches. Per attempt:
+the first argument) over microbatches: the same driver (`scaling.drive`:
+check for inf/NaN, retry, adjust the scale), fed an attempt that
+accumulates (`_Plan.attempt`):
 
 1. the batch arguments are split strided into `k` microbatches
-   (`microbatches.split`);
+   (`microbatches.split`, which checks that they line up);
 2. a `lax.scan` runs them one after another under one loss scale: the
-   forward and backward of one microbatch at a time, its gradients unscaled
-   into float32 (float64 leaves stay float64, complex leaves their own
-   dtype) and added to the accumulator; model state is threaded through;
+   forward and backward of one microbatch at a time
+   (`scaling.scaled_gradient`), its gradients unscaled into float32
+   (float64 leaves stay float64, complex leaves their own dtype) and added
+   to the accumulator; model state is threaded through;
 3. the sum is divided by `k` (or, for a `(sum, count)` loss, by the
-   number counted), put in the gradient's dtype, reduced across devices
-   once, and checked for inf/NaN once.
+   number counted), put in the gradient's dtype and reduced across devices
+   once; the driver checks it for inf/NaN once.
 
 With `max_retries` the whole attempt is redone at the lower scale, and the
 scale adjusts once per attempt.
@@ -22,7 +25,8 @@ per step instead, the parameters are marked varying over the data axes
 before the scan (no value changes), the accumulated gradients are summed
 over those axes after it, and values the step returns that did not vary
 over a data axis at `k = 1` (a step counter in the model state) are made
-invariant again, exactly (their values are the same on every device).
+invariant again, exactly (their values are the same on every device):
+`_Types`.
 """
 
 from __future__ import annotations
@@ -131,8 +135,9 @@ def _naming(whole: tuple[str, ...], k: int, where: str):
         f"{e}). With microbatches={k} only the positional arguments named by "
         "batch_argnums (all, if None) are split, and keyword arguments are "
         f"passed whole, so loss_fn sees 1/{k} of the batch next to these "
-        "arrays of the batch's full size: " + "; ".join(whole) + ". Pass a batched"
-        " array positionally (and name it in batch_argnums, if given).") from e
+        f"arrays of the batch's full size: {'; '.join(whole)}. Pass a "
+        "batched array positionally (and name it in batch_argnums, if "
+        "given).") from e
 
 
 class _Types:

@@ -4,6 +4,13 @@
 scales the loss, differentiates it, unscales the gradients, checks them for
 inf/NaN (all-reduced across devices when given an `axis_name`) and adjusts
 the loss scale, optionally redoing an overflowing step at a lower scale.
+
+Those steps are the one driver every gradient function of the training
+helpers runs on: `scaled_gradient` scales, differentiates and unscales one
+loss; `drive` checks, retries and adjusts around an attempt. Here the
+attempt is the whole batch averaged over the devices; gradient
+accumulation (`accumulation.py`) feeds the driver an attempt over
+microbatches.
 """
 
 from __future__ import annotations
