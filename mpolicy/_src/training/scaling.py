@@ -381,7 +381,6 @@ def scaled_value_and_grad(
   """
   arguments.require_callable(fun, "scaled_value_and_grad", "fun",
                              "the loss function")
-  check_max_retries(max_retries)
   reduce_dtype = arguments.require_float_dtype(
       reduce_dtype, "scaled_value_and_grad", "reduce_dtype", none_ok=True,
       none_means="each gradient averaged in its own dtype")
