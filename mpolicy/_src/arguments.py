@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -70,3 +71,51 @@ def require_transformation(tx: Any, who: str, arg: str = "transform") -> None:
       f"{who}: {arg} must be an optax GradientTransformation (an object "
       "with init and update methods, e.g. optax.adam(1e-3)), got "
       f"{describe(tx)}.{hint}")
+
+
+_FLOATING = "float16, bfloat16, float32, float64 or a float8 dtype"
+
+
+def require_float_dtype(dtype: Any, who: str, arg: str, *,
+                        none_ok: bool = False, none_means: str = "") -> Any:
+  """``dtype`` as a ``np.dtype`` if it is a real floating dtype.
+
+  Raises a `TypeError` if ``dtype`` is not a dtype at all, and a
+  `ValueError` if it is one that is not real floating (an integer or bool
+  dtype truncates the values cast to it: most gradients become 0; a complex
+  one is not a precision).
+
+  Args:
+    dtype: what was passed.
+    who: the public function that got it, e.g. ``"make_train_step"``.
+    arg: the argument's name.
+    none_ok: whether None is accepted (then returned as None).
+    none_means: what None does, for the message.
+
+  >>> require_float_dtype("bfloat16", "f", "grad_dtype")
+  dtype(bfloat16)
+  >>> require_float_dtype(jnp.int32, "f", "grad_dtype", none_ok=True,
+  ...                     none_means="keeps each leaf's dtype")
+  Traceback (most recent call last):
+  ...
+  ValueError: f: grad_dtype must be a floating dtype (float16, bfloat16, float32, float64 or a float8 dtype), or None (keeps each leaf's dtype); got int32, which is not floating: values cast to it are truncated (a gradient of 0.001 becomes 0).
+  """
+  if dtype is None and none_ok:
+    return None
+  allowed = f"a floating dtype ({_FLOATING})" + (
+      f", or None ({none_means})" if none_ok and none_means
+      else ", or None" if none_ok else "")
+  try:
+    # np.dtype(None) is float64: None is never read as a dtype here.
+    as_dtype = None if dtype is None else np.dtype(dtype)
+  except TypeError:
+    as_dtype = None
+  if as_dtype is None:
+    raise TypeError(f"{who}: {arg} must be {allowed}; got {describe(dtype)}.")
+  if jnp.issubdtype(as_dtype, jnp.floating):
+    return as_dtype
+  why = ("a complex dtype is not a precision for real values"
+         if jnp.issubdtype(as_dtype, jnp.complexfloating) else
+         "values cast to it are truncated (a gradient of 0.001 becomes 0)")
+  raise ValueError(f"{who}: {arg} must be {allowed}; got {as_dtype.name}, "
+                   f"which is not floating: {why}.")

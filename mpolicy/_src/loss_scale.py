@@ -5,9 +5,9 @@ Three immutable loss scales with one interface (`loss_scale`, `scale`,
 Scaling runs in float32 or wider and returns each leaf in its own dtype
 (float8 included), so a scale that a float16 cannot hold still unscales
 float16 gradients, and a value that overflows its leaf's dtype is never
-saturated to a finite one;
-constructors reject values that would silently lose gradients (zero,
-negative, inf or nan scales, a floor above the scale).
+saturated to a finite one (`loss_scale_ops`); constructors reject values
+that would silently lose gradients (zero, negative, inf or nan scales, a
+floor above the scale: `loss_scale_checks`).
 
 >>> import jax.numpy as jnp
 >>> ls = DynamicLossScale(jnp.float32(2. ** 15))
@@ -28,228 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import arguments
-from mpolicy._src import dtypes
-from mpolicy._src import jax_compat
+from mpolicy._src import loss_scale_checks as checks
+from mpolicy._src import loss_scale_ops as ops
+
+# The arithmetic and the checks live in their own modules; these names are
+# part of this module's interface (`all_finite`, `select_tree` are public).
+all_finite = ops.all_finite
+select_tree = ops.select_tree
+_cast_narrow = ops.cast_narrow
 
 T = TypeVar("T")
-
-
-def _is_floating_leaf(x: Any) -> bool:
-  if isinstance(x, bool):
-    return False
-  if isinstance(x, float):
-    return True
-  return dtypes.is_float(getattr(x, "dtype", None))
-
-
-def _scale_dtype(loss_scale: Any) -> Any:
-  """The dtype a loss scale's own value calls for: its float dtype, or f32."""
-  dtype = getattr(loss_scale, "dtype", None)
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    return jnp.float32
-  return jax.dtypes.canonicalize_dtype(dtype)
-
-
-def _work_dtype(*floats: Any) -> np.dtype:
-  """float32, or float64 where one of the float dtypes ``floats`` is.
-
-  Narrower dtypes (float16, bfloat16, float8) work in float32, widened
-  explicitly: JAX's promotion refuses float8 with float32.
-
-  >>> _work_dtype(jnp.float8_e4m3fn, jnp.bfloat16)
-  dtype('float32')
-  """
-  wide = [d for d in floats if np.dtype(d).itemsize > 4]
-  return np.dtype(jax.dtypes.canonicalize_dtype(wide[0] if wide
-                                                 else jnp.float32))
-
-
-@functools.lru_cache(maxsize=None)
-def _float8_overflow(dtype: np.dtype) -> tuple[float, bool, Any, Any]:
-  """``(limit, inclusive, +special, -special)`` for casting to ``dtype``.
-
-  A float32 value overflows ``dtype`` where its magnitude reaches ``limit``
-  (halfway past the largest finite value; a tie rounds to even, so whether
-  ``limit`` itself overflows depends on the dtype: ``inclusive``). It then
-  becomes ``±special``: inf where the dtype has one, else nan.
-  """
-  info = jnp.finfo(dtype)
-  largest = float(info.max)
-  half_ulp = 2.0 ** (np.floor(np.log2(largest)) - info.nmant - 1)
-  limit = np.float32(largest + half_ulp)
-  inclusive = not np.isfinite(float(limit.astype(dtype)))
-  specials = np.array([np.inf, -np.inf], np.float32).astype(dtype)
-  if np.isfinite(specials.astype(np.float32)).any():
-    raise TypeError(
-        f"loss scaling: {np.dtype(dtype).name} has neither inf nor nan, so "
-        "an overflow would be a finite, wrong value that no finiteness check "
-        "sees; keep such leaves in float8_e4m3fn, float8_e5m2 or wider.")
-  return float(limit), inclusive, specials[0], specials[1]
-
-
-def _cast_narrow(y: jax.Array, dtype: Any) -> jax.Array:
-  """``y`` in ``dtype``, rounded to nearest, where an overflow is non-finite.
-
-  For float8 dtypes the overflow is made explicit, whatever the backend's
-  conversion does (some saturate): a value beyond the largest finite one
-  becomes inf (float8_e5m2) or nan (float8_e4m3fn, which has no inf), so
-  `all_finite` sees it and a dynamic loss scale backs off. A saturated
-  value would be a wrong gradient that looks finite. Other dtypes convert
-  as JAX does (IEEE: overflow to inf).
-
-  >>> y = jnp.array([1.5, 500., -1e6])
-  >>> _cast_narrow(y, jnp.float8_e4m3fn), _cast_narrow(y, jnp.float8_e5m2)
-  (Array([1.5, nan, nan], dtype=float8_e4m3fn), Array([1.5, 512, -inf], dtype=float8_e5m2))
-  """
-  out = y.astype(dtype)
-  if np.dtype(dtype).itemsize != 1:
-    return out
-  limit, inclusive, pos, neg = _float8_overflow(np.dtype(dtype))
-  size = jnp.abs(y)
-  over = size >= limit if inclusive else size > limit
-  return jnp.where(over, jnp.where(y < 0, neg, pos), out)
-
-
-def _apply_scale(tree: T, loss_scale: Any, op, who: str) -> T:
-  """`op(leaf, loss_scale)` on the floating leaves, each back in its dtype.
-
-  The arithmetic runs in float32 (or wider, if the leaf or the scale is):
-  a scale such as 2 ** 17 does not exist in float16, and dividing a float16
-  gradient by it in float16 would give 0. Only a result that overflows the
-  leaf's own dtype becomes non-finite (see `_cast_narrow` for float8).
-  """
-  if np.ndim(loss_scale) != 0:
-    raise ValueError(
-        f"{who}: loss_scale must be a scalar, got shape "
-        f"{tuple(np.shape(loss_scale))}; a non-scalar scale would broadcast "
-        "and change the shape of every leaf. To keep one loss scale per "
-        "device or per model, map over them with `jax.vmap` / `jax.pmap`.")
-  scale_dtype = _scale_dtype(loss_scale)
-  cast_scales = {}
-
-  def apply(x):
-    if not _is_floating_leaf(x):
-      return x
-    dtype = getattr(x, "dtype", None)
-    if dtype is None and not hasattr(loss_scale, "dtype"):
-      return op(x, loss_scale)  # Python numbers: exact enough, no overflow.
-    work = _work_dtype(scale_dtype, *(() if dtype is None else (dtype,)))
-    if work not in cast_scales:
-      cast_scales[work] = jnp.asarray(loss_scale).astype(work)
-    y = op(jnp.asarray(x).astype(work), cast_scales[work])
-    return y if dtype is None else _cast_narrow(y, dtype)
-
-  return jax.tree_util.tree_map(apply, tree)
-
-
-def _scale(tree: T, loss_scale: Any, who: str) -> T:
-  return _apply_scale(tree, loss_scale, lambda x, s: x * s, who)
-
-
-def _unscale(tree: T, loss_scale: Any, who: str) -> T:
-  return _apply_scale(tree, loss_scale, lambda x, s: x / s, who)
-
-
-# --- Validation of concrete values --------------------------------------------
-# Only the public constructors validate, and only concrete values: tracers
-# (a loss scale built inside `jit`) pass unchecked, and unflattening never
-# goes through here, so JAX's placeholders (None, object()) pass too.
-
-_NUMBER_HINT = ("a positive, finite real number (a Python float or int, or a "
-                "scalar array of a floating or integer dtype)")
-
-
-def _concrete(x: Any) -> np.ndarray | None:
-  """`x` as a numpy array, or None if it is a tracer (not known yet)."""
-  if isinstance(x, jax_compat.Tracer):
-    return None
-  try:
-    return np.asarray(x)
-  except (jax.errors.ConcretizationTypeError,
-          jax.errors.TracerArrayConversionError):
-    return None
-
-
-def _check_positive_number(cls: str, name: str, x: Any,
-                           scalar: bool = True,
-                           zero_ok: bool = False) -> np.ndarray | None:
-  """Checks a loss scale or floor; returns its concrete value (or None).
-
-  ``zero_ok`` also accepts 0 (a floor of 0: no floor; jmp's zero static
-  scale)."""
-  if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)):
-    raise TypeError(f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r} "
-                    f"({type(x).__name__}).")
-  a = _concrete(x)
-  if a is None:
-    return None
-  if not (jnp.issubdtype(a.dtype, jnp.floating)
-          or jnp.issubdtype(a.dtype, jnp.integer)):
-    raise TypeError(f"{cls}: {name} must be {_NUMBER_HINT}, got {x!r} "
-                    f"(dtype {a.dtype}).")
-  if scalar and a.ndim != 0:
-    raise ValueError(f"{cls}: {name} must be a scalar, got shape {a.shape}; "
-                     "a non-scalar scale would broadcast and change the "
-                     "shape of every leaf it scales.")
-  with np.errstate(invalid="ignore"):
-    ok = np.all(np.isfinite(a.astype(np.float64))
-                & ((a >= 0) if zero_ok else (a > 0)))
-  if not ok:
-    hint = (_NUMBER_HINT.replace("a positive", "a non-negative") if zero_ok
-            else _NUMBER_HINT)
-    raise ValueError(
-        f"{cls}: {name} must be {hint}, got {x!r}. "
-        + ("Negative" if zero_ok else "Zero or negative")
-        + " scales flip or erase the gradients, and an inf or nan scale never "
-        "recovers" + ("; 1.0 is the usual floor." if name == "min_loss_scale"
-                      else "; 2. ** 15 is a usual start."))
-  return a
-
-
-def _check_period(period: Any) -> int:
-  if (isinstance(period, (float, np.floating)) and np.isfinite(period)
-      and float(period).is_integer()):
-    period = int(period)  # A whole-number float, as jmp accepts (5.0).
-  if isinstance(period, (bool, np.bool_)) or not isinstance(
-      period, (int, np.integer)):
-    raise TypeError(
-        "DynamicLossScale: period must be a positive int (the number of "
-        f"finite steps before the scale grows), got {period!r} "
-        f"({type(period).__name__}).")
-  if period < 1:
-    raise ValueError("DynamicLossScale: period must be a positive int (the "
-                     "number of finite steps before the scale grows), got "
-                     f"{period}.")
-  return int(period)
-
-
-def _check_factor(factor: Any) -> int | float:
-  bad_type = (isinstance(factor, (bool, np.bool_, str, bytes))
-              or _concrete(factor) is None)
-  a = None if bad_type else _concrete(factor)
-  if bad_type or a.ndim != 0 or not (
-      jnp.issubdtype(a.dtype, jnp.floating)
-      or jnp.issubdtype(a.dtype, jnp.integer)):
-    raise TypeError(
-        "DynamicLossScale: factor must be a finite real number > 1 (what the "
-        f"scale is multiplied and divided by, e.g. 2), got {factor!r} "
-        f"({type(factor).__name__}).")
-  if not (np.isfinite(a.astype(np.float64)) and a > 1):
-    raise ValueError(
-        "DynamicLossScale: factor must be a finite real number > 1 (what the "
-        f"scale is multiplied and divided by, e.g. 2), got {factor!r}; with "
-        "a factor <= 1 an overflow would never lower the scale.")
-  return a.item()
-
-
-def _require_scalar_bool(pred: Any, name: str) -> jax.Array:
-  pred = jnp.asarray(pred)
-  if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    # AssertionError is the documented error; raised explicitly, not with
-    # `assert`, so the check also runs under `python -O`.
-    raise AssertionError(f"{name}: expected boolean scalar, got "
-                         f"{pred.dtype} of shape {pred.shape}.")
-  return pred
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +122,8 @@ class StaticLossScale:
   loss_scale: Any
 
   def __post_init__(self):
-    value = _check_positive_number("StaticLossScale", "loss_scale",
-                                   self.loss_scale, zero_ok=True)
+    value = checks.check_positive_number("StaticLossScale", "loss_scale",
+                                         self.loss_scale, zero_ok=True)
     if value is not None and not np.any(value):
       warnings.warn(
           "StaticLossScale(0) scales every gradient to zero, and unscaling "
@@ -344,49 +132,16 @@ class StaticLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies the floating leaves of `tree` by `loss_scale`."""
-    return _scale(tree, self.loss_scale, "StaticLossScale.scale")
+    return ops.scale(tree, self.loss_scale, "StaticLossScale.scale")
 
   def unscale(self, tree: T) -> T:
     """Divides the floating leaves of `tree` by `loss_scale`."""
-    return _unscale(tree, self.loss_scale, "StaticLossScale.unscale")
+    return ops.unscale(tree, self.loss_scale, "StaticLossScale.unscale")
 
   def adjust(self, grads_finite: Any) -> StaticLossScale:
     """Returns `self`: a static scale never changes."""
     del grads_finite
     return self
-
-
-def _strong_array(x: Any, default_dtype: Any) -> jax.Array:
-  """`x` as a strongly typed JAX array; Python numbers get `default_dtype`."""
-  if isinstance(x, (bool, int, float)):
-    return jnp.asarray(x, default_dtype)
-  x = jnp.asarray(x)
-  if getattr(x, "weak_type", False):
-    x = jax.lax.convert_element_type(x, x.dtype)  # Drops the weak type.
-  return x
-
-
-def _warn_if_not_floating(x: Any, name: str) -> None:
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-    warnings.warn(f"Expected floating type for {name}, got {dtype}; it works, "
-                  "but backing off rounds down to whole numbers.", stacklevel=3)
-
-
-def _check_counter(counter: Any) -> None:
-  if isinstance(counter, (bool, np.bool_)):
-    raise TypeError("DynamicLossScale: counter must be a non-negative int, "
-                    f"got {counter!r}.")
-  a = _concrete(counter)
-  if a is None:
-    return
-  if not jnp.issubdtype(a.dtype, jnp.integer):
-    raise TypeError("DynamicLossScale: counter must be a non-negative int "
-                    f"(finite steps since the last change), got {counter!r} "
-                    f"(dtype {a.dtype}).")
-  if np.any(a < 0):
-    raise ValueError("DynamicLossScale: counter must be a non-negative int "
-                     f"(finite steps since the last change), got {counter!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,16 +208,16 @@ class DynamicLossScale:
     # Only the public constructor validates; unflattening bypasses it, so
     # placeholders (None, object(), tracers) from JAX pass through untouched.
     cls = "DynamicLossScale"
-    scale = _check_positive_number(cls, "loss_scale", self.loss_scale,
-                                   scalar=False)
-    _check_counter(self.counter)
-    if _concrete(self.min_loss_scale) is None:
+    scale = checks.check_positive_number(cls, "loss_scale", self.loss_scale,
+                                         scalar=False)
+    checks.check_counter(self.counter)
+    if checks.concrete(self.min_loss_scale) is None:
       raise TypeError(f"{cls}: min_loss_scale is static pytree metadata and "
                       "must be a concrete number, got a traced value.")
-    floor = _check_positive_number(cls, "min_loss_scale", self.min_loss_scale,
-                                   zero_ok=True)
-    period = _check_period(self.period)
-    factor = _check_factor(self.factor)
+    floor = checks.check_positive_number(cls, "min_loss_scale",
+                                         self.min_loss_scale, zero_ok=True)
+    period = checks.check_period(self.period)
+    factor = checks.check_factor(self.factor)
     if scale is not None and np.any(scale < floor):
       raise ValueError(
           f"{cls}: min_loss_scale ({self.min_loss_scale!r}) must not exceed "
@@ -475,11 +230,11 @@ class DynamicLossScale:
           f"{cls}: with an integer loss_scale ({dtype}), min_loss_scale must "
           f"be >= 1, got {self.min_loss_scale!r}: backing off rounds down, "
           "and a scale of 0 would make unscaled gradients inf.")
-    _warn_if_not_floating(self.loss_scale, "loss_scale")
-    _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+    checks.warn_if_not_floating(self.loss_scale, "loss_scale")
+    checks.warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
     set_ = functools.partial(object.__setattr__, self)
-    set_("loss_scale", _strong_array(self.loss_scale, jnp.float32))
-    set_("counter", _strong_array(self.counter, jnp.int32))
+    set_("loss_scale", checks.strong_array(self.loss_scale, jnp.float32))
+    set_("counter", checks.strong_array(self.counter, jnp.int32))
     counter_max = int(jnp.iinfo(jnp.result_type(self.counter)).max)
     if period > counter_max:
       raise ValueError(
@@ -507,11 +262,11 @@ class DynamicLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies the floating leaves of `tree` by `loss_scale`."""
-    return _scale(tree, self.loss_scale, "DynamicLossScale.scale")
+    return ops.scale(tree, self.loss_scale, "DynamicLossScale.scale")
 
   def unscale(self, tree: T) -> T:
     """Divides the floating leaves of `tree` by `loss_scale`."""
-    return _unscale(tree, self.loss_scale, "DynamicLossScale.unscale")
+    return ops.unscale(tree, self.loss_scale, "DynamicLossScale.unscale")
 
   def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """The next loss scale, given whether this step's gradients were finite.
@@ -533,15 +288,15 @@ class DynamicLossScale:
 
     See also: `all_finite` to compute `grads_finite`.
     """
-    grads_finite = _require_scalar_bool(grads_finite, "grads_finite")
+    grads_finite = ops.require_scalar_bool(grads_finite, "grads_finite")
     dtype = jnp.result_type(self.loss_scale)
-    work = (_work_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating)
+    work = (ops.work_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating)
             else jnp.float32)
     scale = jnp.asarray(self.loss_scale).astype(work)
 
     grown = scale * self.factor
     if jnp.issubdtype(dtype, jnp.floating):
-      grown_fits = jnp.isfinite(_cast_narrow(grown, dtype))
+      grown_fits = jnp.isfinite(ops.cast_narrow(grown, dtype))
     else:
       grown_fits = grown < float(jnp.iinfo(dtype).max) + 1
     grow = self.counter >= self.period - 1
@@ -618,49 +373,3 @@ def require_loss_scale(x: Any, who: str, call: str) -> None:
       f"{who}: loss_scale must be a loss scale (mpolicy.NoOpLossScale(), "
       "StaticLossScale(value) or DynamicLossScale(value)), got "
       f"{arguments.describe(x)}; call it as {call}.{hint}")
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every leaf of `tree` is finite, as a boolean scalar array.
-
-  Args:
-    tree: a pytree of arrays or numbers.
-
-  Returns:
-    A boolean scalar; True for a tree without leaves. Integer and bool
-    leaves are always finite.
-
-  >>> import jax.numpy as jnp
-  >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1., jnp.inf])}))
-  False
-
-  See also: `DynamicLossScale.adjust`, `select_tree`.
-  """
-  leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return jnp.array(True)
-  return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-
-
-def select_tree(pred: Any, a: T, b: T) -> T:
-  """`a` where `pred` is True, else `b`, leaf by leaf (`jax.lax.select`).
-
-  Args:
-    pred: a boolean scalar.
-    a, b: pytrees with the same structure, shapes and dtypes.
-
-  Returns:
-    `a` if `pred`, else `b`.
-
-  Raises:
-    AssertionError: `pred` is not a boolean scalar.
-    ValueError, TypeError: from JAX, if `a` and `b` do not match.
-
-  >>> import jax.numpy as jnp
-  >>> select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
-  {'w': Array([0., 0.], dtype=float32)}
-
-  See also: `all_finite`, to skip an update whose gradients overflowed.
-  """
-  pred = _require_scalar_bool(pred, "select_tree")
-  return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)

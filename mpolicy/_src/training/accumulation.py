@@ -1,17 +1,20 @@
 """Gradient accumulation: one loss-scaled step over k microbatches.
 
 `accumulated_value_and_grad` is `scaled_value_and_grad` (with respect to
-the first argument) over microbatches. Per attempt:
+the first argument) over microbatches: the same driver (`scaling.drive`:
+check for inf/NaN, retry, adjust the scale), fed an attempt that
+accumulates (`_Plan.attempt`):
 
 1. the batch arguments are split strided into `k` microbatches
-   (`microbatches.split`);
+   (`microbatches.split`, which checks that they line up);
 2. a `lax.scan` runs them one after another under one loss scale: the
-   forward and backward of one microbatch at a time, its gradients unscaled
-   into float32 (float64 leaves stay float64, complex leaves their own
-   dtype) and added to the accumulator; model state is threaded through;
+   forward and backward of one microbatch at a time
+   (`scaling.scaled_gradient`), its gradients unscaled into float32
+   (float64 leaves stay float64, complex leaves their own dtype) and added
+   to the accumulator; model state is threaded through;
 3. the sum is divided by `k` (or, for a `(sum, count)` loss, by the
-   number counted), put in the gradient's dtype, reduced across devices
-   once, and checked for inf/NaN once.
+   number counted), put in the gradient's dtype and reduced across devices
+   once; the driver checks it for inf/NaN once.
 
 With `max_retries` the whole attempt is redone at the lower scale, and the
 scale adjusts once per attempt.
@@ -22,12 +25,14 @@ per step instead, the parameters are marked varying over the data axes
 before the scan (no value changes), the accumulated gradients are summed
 over those axes after it, and values the step returns that did not vary
 over a data axis at `k = 1` (a step counter in the model state) are made
-invariant again, exactly (their values are the same on every device).
+invariant again, exactly (their values are the same on every device):
+`_Types`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+import contextlib
 from typing import Any
 
 import jax
@@ -37,7 +42,6 @@ import numpy as np
 
 from mpolicy._src import distributed
 from mpolicy._src import jax_compat
-from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src.training import _trees
 from mpolicy._src.training import microbatches as microbatches_lib
 from mpolicy._src.training import scaling
@@ -116,6 +120,164 @@ def _typed(axes: tuple) -> bool:
           and jax_compat.check_vma_enabled())
 
 
+@contextlib.contextmanager
+def _naming(whole: tuple[str, ...], k: int, where: str):
+  """Turns a failure of `fun` on one microbatch into a ValueError naming
+  the arrays of the batch's size that were passed whole (the likely cause:
+  a batched keyword argument, or `batch_argnums` off by one)."""
+  try:
+    yield
+  except (TypeError, ValueError, IndexError) as e:
+    if not whole or k == 1:
+      raise
+    raise ValueError(
+        f"{where}: loss_fn failed on one microbatch ({type(e).__name__}: "
+        f"{e}). With microbatches={k} only the positional arguments named by "
+        "batch_argnums (all, if None) are split, and keyword arguments are "
+        f"passed whole, so loss_fn sees 1/{k} of the batch next to these "
+        f"arrays of the batch's full size: {'; '.join(whole)}. Pass a "
+        "batched array positionally (and name it in batch_argnums, if "
+        "given).") from e
+
+
+class _Types:
+  """How one attempt's values vary over the data axes, where values carry
+  that (`shard_map` with `check_vma=True`); every method is the identity
+  elsewhere.
+
+  AD would sum a replicated parameter's gradient over the devices in each
+  microbatch's backward pass. To sum once per step instead, the parameters
+  are marked varying over the data axes before the scan (no value
+  changes), and `added` says, per parameter, over which axes to sum the
+  accumulated gradient after it. `vmas` holds the axes the loss, aux and
+  new state vary over at `k = 1`, which the carry keeps and the results get
+  back.
+  """
+
+  def __init__(self, plan: "_Plan", params, state, first: Callable[[], Any],
+               kwargs):
+    """`first()` gives the first microbatch's data arguments."""
+    axes = distributed.data_axes(plan.axis_name)
+    self.data, self.typed = frozenset(axes), _typed(axes)
+    self.vmas = self.added = None
+    if self.typed:
+      self.vmas = _vmas_at_one(plan, params, state, first(), kwargs)
+      self.added = jax.tree_util.tree_map(
+          lambda p: self.data - jax_compat.varying_axes(p), params)
+
+  def widen(self, x: Any, vma: frozenset = frozenset()) -> Any:
+    """`x` varying over `vma` and the data axes."""
+    return _widen(x, vma | self.data) if self.typed else x
+
+  def of(self, name: str, tree: Any) -> Any:
+    """The axes at `k = 1` of each leaf of the loss, aux or state `tree`."""
+    if self.typed:
+      return self.vmas[name]
+    return jax.tree_util.tree_map(lambda _: frozenset(), tree)
+
+  def narrow(self, name: str, tree: Any) -> Any:
+    """What did not vary over a data axis at `k = 1` made so again."""
+    if not self.typed:
+      return tree
+    return _narrow_tree(tree, self.vmas[name], self.data)
+
+
+class _Plan:
+  """One accumulated attempt: `attempt(loss_scale, params, *args, **kwargs)
+  -> (grads, loss, aux)`, for the loss-scaled driver."""
+
+  def __init__(self, fun, k, *, has_aux, has_state, batch_argnums, arg_names,
+               loss_reduction, axis_name, reduce_dtype, grad_dtype, where):
+    self.weighted = _weighted(fun, loss_reduction, has_aux)
+    self.grad = scaling.scaled_gradient(self.weighted, 0, True,
+                                        unscale_in=_acc_dtype)
+    self.k, self.has_state, self.n_state = k, has_state, int(has_state)
+    self.batch_argnums, self.arg_names = batch_argnums, arg_names
+    self.loss_reduction, self.axis_name = loss_reduction, axis_name
+    self.reduce_dtype, self.grad_dtype = reduce_dtype, grad_dtype
+    self.where = where
+
+  def split_aux(self, aux: Any) -> tuple[Any, Any]:
+    """`(aux, new_state)` from `fun`'s aux."""
+    return tuple(aux) if self.has_state else (aux, None)
+
+  def with_state(self, state: Any, data: Sequence[Any]) -> tuple:
+    return ((state,) if self.has_state else ()) + tuple(data)
+
+  def attempt(self, loss_scale, params, *args, **kwargs):
+    state = (jax.tree_util.tree_map(_trees.strong, args[0]) if self.has_state
+             else None)
+    names = self.arg_names[self.n_state:] if self.arg_names else None
+    batch = microbatches_lib.split(args[self.n_state:], kwargs, self.k,
+                                   self.batch_argnums, names, self.where)
+    rebuild = batch.rebuild
+    with _naming(batch.whole, self.k, self.where):
+      types = _Types(self, params, state,
+                     lambda: rebuild([x[0] for x in batch.xs]), kwargs)
+      params = jax.tree_util.tree_map(types.widen, params)
+      carry = self._start(params, state, types)
+      carry_vmas = [jax_compat.varying_axes(c)
+                    for c in jax.tree_util.tree_leaves(carry)]
+
+      def body(carry, leaves):
+        out, ys = self._add(carry, loss_scale, params, rebuild(leaves),
+                            kwargs)
+        if types.typed:  # The carry keeps its types from one microbatch on.
+          flat, treedef = jax.tree_util.tree_flatten(out)
+          out = treedef.unflatten(
+              [_widen(x, v) for x, v in zip(flat, carry_vmas)])
+        return out, ys
+
+      carry, (losses, auxes) = lax.scan(body, carry, batch.xs, length=self.k)
+    return self._finish(carry, losses, auxes, params, types)
+
+  def _start(self, params, state, types):
+    """The scan's first carry: `(grads, loss total, weight, state)`, zeros."""
+    acc = jax.tree_util.tree_map(
+        lambda p: types.widen(jnp.zeros(np.shape(p), _acc_dtype(p)),
+                              jax_compat.varying_axes(p)), params)
+    loss_vma = types.vmas["loss"] if types.typed else frozenset()
+    state = jax.tree_util.tree_map(types.widen, state,
+                                   types.of("state", state))
+    return (acc, types.widen(jnp.float32(0), loss_vma),
+            types.widen(jnp.float32(0), loss_vma), state)
+
+  def _add(self, carry, loss_scale, params, data, kwargs):
+    """One microbatch added to the carry; `(carry, (loss, aux))`."""
+    acc, total, weight, state = carry
+    grads, loss, (w, aux) = self.grad(
+        loss_scale, params, *self.with_state(state, data), **kwargs)
+    aux, new_state = self.split_aux(aux)
+    if self.loss_reduction == MEAN:
+      acc = jax.tree_util.tree_map(jnp.add, acc, grads)
+      total = total + loss.astype(jnp.float32)
+    else:
+      acc = jax.tree_util.tree_map(lambda a, g: a + w.astype(a.dtype) * g,
+                                   acc, grads)
+      total = total + w * loss.astype(jnp.float32)
+    return (acc, total, weight + w, new_state), (loss, aux)
+
+  def _finish(self, carry, losses, auxes, params, types):
+    """The mean over the microbatches, reduced across devices once."""
+    acc, total, weight, state = carry
+    aux = jax.tree_util.tree_map(lambda a: a[-1], auxes)
+    if self.loss_reduction == MEAN:
+      weight = jnp.float32(self.k)
+    elif self.axis_name is not None:
+      weight = distributed.average_value(weight, self.axis_name, jnp.float32)
+    weight = jnp.where(weight == 0, 1, weight)
+    loss = (total / weight).astype(losses.dtype)
+    grads = jax.tree_util.tree_map(lambda a: a / weight.astype(a.dtype), acc)
+    grads = _reduce(grads, params, types.added, self.axis_name,
+                    self.reduce_dtype, self.grad_dtype, loss, self.where)
+    if self.axis_name is not None:
+      loss = distributed.average_value(loss, self.axis_name, self.reduce_dtype)
+    aux = types.narrow("aux", aux)
+    if self.has_state:
+      aux = (aux, types.narrow("state", state))
+    return grads, loss, aux
+
+
 def accumulated_value_and_grad(
     fun: Callable[..., Any],
     microbatches: int,
@@ -145,137 +307,36 @@ def accumulated_value_and_grad(
   Returns:
     `g(loss_scale, params, *args, **kwargs) -> (new_loss_scale,
     grads_finite, value, grads)` (plus the flags with
-    `attribute_overflow`), as `scaled_value_and_grad`. `value` holds the
-    mean loss (the token mean of the batch with `"sum_count"`), in the
-    loss's dtype, and the last microbatch's aux and model state.
+    `attribute_overflow`), as `scaled_value_and_grad`: the same driver,
+    with an attempt that accumulates. `value` holds the mean loss (the
+    token mean of the batch with `"sum_count"`), in the loss's dtype, and
+    the last microbatch's aux and model state.
   """
-  max_retries = scaling._check_max_retries(max_retries)  # pylint: disable=protected-access
-  k = microbatches
-  weighted = _weighted(fun, loss_reduction, has_aux)
-  grad_fn = jax.value_and_grad(scaling._scaled_loss(weighted, True),  # pylint: disable=protected-access
-                               argnums=1, has_aux=True)
-  n_state = 1 if has_state else 0
-  split_aux = (lambda aux: aux) if has_state else (lambda aux: (aux, None))
-
-  def microbatch(loss_scale, params, state, data, kwargs):
-    """One microbatch: `(grads, loss, weight, aux, new_state)`, the
-    gradients unscaled in the accumulator's dtypes."""
-    args = ((state,) if has_state else ()) + tuple(data)
-    (_, (loss, (weight, aux))), grads = grad_fn(
-        loss_scale, params, *args, **kwargs)
-    acc = jax.tree_util.tree_map(lambda g: g.astype(_acc_dtype(g)), grads)
-    grads = scaling._unscale(loss_scale, acc, None)  # pylint: disable=protected-access
-    return (grads, loss, weight) + tuple(split_aux(aux))
-
-  def attempt(loss_scale, params, *args, **kwargs):
-    axes = distributed.data_axes(axis_name)
-    data, typed = frozenset(axes), _typed(axes)
-    state = jax.tree_util.tree_map(_trees.strong, args[0]) if has_state else None
-    xs, rebuild = microbatches_lib.split(
-        args[n_state:], k, batch_argnums,
-        arg_names[n_state:] if arg_names else None, where)
-    vmas = added = None
-    if typed:
-      vmas = _vmas_at_one(weighted, split_aux, params, state,
-                          rebuild([x[0] for x in xs]), kwargs, axis_name,
-                          where)
-      # AD then leaves each microbatch's gradient unsummed over the data
-      # axes; they are summed once, after the scan.
-      added = jax.tree_util.tree_map(
-          lambda p: data - jax_compat.varying_axes(p), params)
-      params = jax.tree_util.tree_map(lambda p: _widen(p, data), params)
-
-    def init(x, vma):
-      return _widen(x, vma | data) if typed else x
-
-    no_vmas = lambda tree: jax.tree_util.tree_map(lambda _: frozenset(), tree)
-    carry = (
-        jax.tree_util.tree_map(
-            lambda p: init(jnp.zeros(np.shape(p), _acc_dtype(p)),
-                           jax_compat.varying_axes(p)), params),
-        init(jnp.float32(0), vmas["loss"] if typed else frozenset()),
-        init(jnp.float32(0), vmas["loss"] if typed else frozenset()),
-        jax.tree_util.tree_map(init, state,
-                               vmas["state"] if typed else no_vmas(state)))
-    carry_vmas = [jax_compat.varying_axes(c)
-                  for c in jax.tree_util.tree_leaves(carry)]
-
-    def body(carry, leaves):
-      acc, total, weight, state = carry
-      grads, loss, w, aux, new_state = microbatch(
-          loss_scale, params, state, rebuild(leaves), kwargs)
-      if loss_reduction == MEAN:
-        acc = jax.tree_util.tree_map(jnp.add, acc, grads)
-        total = total + loss.astype(jnp.float32)
-      else:
-        acc = jax.tree_util.tree_map(lambda a, g: a + w.astype(a.dtype) * g,
-                                     acc, grads)
-        total = total + w * loss.astype(jnp.float32)
-      out = (acc, total, weight + w, new_state)
-      if typed:  # The carry keeps its types from one microbatch to the next.
-        flat, treedef = jax.tree_util.tree_flatten(out)
-        out = treedef.unflatten(
-            [_widen(x, v) for x, v in zip(flat, carry_vmas)])
-      return out, (loss, aux)
-
-    (acc, total, weight, state), (losses, auxes) = lax.scan(
-        body, carry, xs, length=k)
-    aux = jax.tree_util.tree_map(lambda a: a[-1], auxes)
-    if loss_reduction == MEAN:
-      weight = jnp.float32(k)
-    elif axis_name is not None:
-      weight = distributed.average_value(weight, axis_name, jnp.float32)
-    weight = jnp.where(weight == 0, 1, weight)
-    loss = (total / weight).astype(losses.dtype)
-    grads = jax.tree_util.tree_map(lambda a: a / weight.astype(a.dtype), acc)
-    grads = _reduce(grads, params, added, axis_name, reduce_dtype, grad_dtype,
-                    loss, where)
-    if axis_name is not None:
-      loss = distributed.average_value(loss, axis_name, reduce_dtype)
-    if typed:  # What did not vary over a data axis at k = 1 does not now.
-      aux = _narrow_tree(aux, vmas["aux"], data)
-      state = _narrow_tree(state, vmas["state"], data)
-    if has_state:
-      aux = (aux, state)
-    grads_finite = distributed.agree_finite(
-        loss_scale_lib.all_finite(grads), axis_name)
-    return grads, grads_finite, loss, aux
-
-  def g(loss_scale, params, *args, **kwargs):
-    scaling._check_differentiable((params,), 0)  # pylint: disable=protected-access
-    grads, grads_finite, loss, aux = attempt(loss_scale, params, *args,
-                                             **kwargs)
-    if max_retries and jax.tree_util.tree_leaves(loss_scale):
-      loss_scale, grads, grads_finite = scaling._retry(  # pylint: disable=protected-access
-          attempt, max_retries, loss_scale, grads, grads_finite,
-          (params, *args), kwargs)
-    new_loss_scale = loss_scale.adjust(grads_finite)
-    value = (loss, aux) if has_aux else loss
-    if not attribute_overflow:
-      return new_loss_scale, grads_finite, value, grads
-    return (new_loss_scale, grads_finite, value, grads,
-            scaling._agreed_flags(grads, axis_name))  # pylint: disable=protected-access
-
-  return g
+  plan = _Plan(fun, microbatches, has_aux=has_aux, has_state=has_state,
+               batch_argnums=batch_argnums, arg_names=arg_names,
+               loss_reduction=loss_reduction, axis_name=axis_name,
+               reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, where=where)
+  return scaling.drive(plan.attempt, 0, has_aux=has_aux, axis_name=axis_name,
+                       max_retries=max_retries,
+                       attribute_overflow=attribute_overflow)
 
 
 def _narrow_tree(tree: Any, vmas: Any, data: frozenset) -> Any:
   return jax.tree_util.tree_map(lambda x, v: _narrow(x, data - v), tree, vmas)
 
 
-def _vmas_at_one(weighted, split_aux, params, state, data, kwargs, axis_name,
-                 where) -> dict:
+def _vmas_at_one(plan: _Plan, params, state, data, kwargs) -> dict:
   """The axes the loss, aux and new state of one microbatch vary over with
   the parameters as given (what `k = 1` returns): the forward traced once,
   not run. Checks the loss's axes as `scaled_value_and_grad` does."""
-  args = ((state,) if state is not None else ()) + tuple(data)
+  args = plan.with_state(state, data)
   structure = []
 
   def forward(params):
-    loss, (_, aux) = weighted(params, *args, **kwargs)
-    distributed.check_loss_axes(loss, axis_name, where)
+    loss, (_, aux) = plan.weighted(params, *args, **kwargs)
+    distributed.check_loss_axes(loss, plan.axis_name, plan.where)
     leaves, treedef = jax.tree_util.tree_flatten(
-        (loss,) + tuple(split_aux(aux)))
+        (loss,) + tuple(plan.split_aux(aux)))
     structure.append(treedef)
     return leaves
 

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mpolicy._src import arguments
@@ -61,7 +60,8 @@ def master_weights(
     Its `update` needs `params` (their dtypes say what to round to).
 
   Raises:
-    ValueError: from `update`, if `params` is not given.
+    ValueError: at once, if `master_dtype` is not a floating dtype; from
+      `update`, if `params` is not given.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.sgd(1e-4))
@@ -77,7 +77,8 @@ def master_weights(
   """
   arguments.require_transformation(inner, "master_weights", "inner")
   inner = optax.with_extra_args_support(inner)
-  master_dtype = np.dtype(master_dtype)
+  master_dtype = arguments.require_float_dtype(master_dtype, "master_weights",
+                                              "master_dtype")
 
   def init(params):
     master = jax.tree_util.tree_map(_trees.strong, _trees.cast_floating(params, master_dtype))
@@ -126,6 +127,10 @@ def init_master_weights(
     to `param_dtype` (complex and integer leaves as they are), and
     `optimizer.init(params)`.
 
+  Raises:
+    ValueError: `param_dtype` is not a floating dtype (an integer one would
+      truncate every weight).
+
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.adam(1e-3))
   >>> half, state = init_master_weights(tx, {"w": jnp.ones(2)}, jnp.bfloat16)
@@ -134,6 +139,9 @@ def init_master_weights(
 
   See also: `master_weights`, `params_from_master`.
   """
+  param_dtype = arguments.require_float_dtype(param_dtype,
+                                             "init_master_weights",
+                                             "param_dtype")
   return _trees.cast_floating(params, param_dtype), optimizer.init(params)
 
 

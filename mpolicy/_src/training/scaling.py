@@ -4,6 +4,13 @@
 scales the loss, differentiates it, unscales the gradients, checks them for
 inf/NaN (all-reduced across devices when given an `axis_name`) and adjusts
 the loss scale, optionally redoing an overflowing step at a lower scale.
+
+Those steps are the one driver every gradient function of the training
+helpers runs on: `scaled_gradient` scales, differentiates and unscales one
+loss; `drive` checks, retries and adjusts around an attempt. Here the
+attempt is the whole batch averaged over the devices; gradient
+accumulation (`accumulation.py`) feeds the driver an attempt over
+microbatches.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ LossScale = loss_scale_lib.LossScale
 # --- Checks on what is passed -----------------------------------------------
 
 
-def _check_max_retries(max_retries: Any) -> int:
+def check_max_retries(max_retries: Any) -> int:
+  """`max_retries` as an int >= 0, or a TypeError / ValueError."""
   is_int = (isinstance(max_retries, (int, np.integer))
             and not isinstance(max_retries, (bool, np.bool_)))
   if not is_int or max_retries < 0:
@@ -46,7 +54,7 @@ def _leaf_desc(x: Any) -> str:
   return f"{np.dtype(dtype).name}{list(np.shape(x))}"
 
 
-def _check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
+def check_differentiable(args: tuple[Any, ...], argnums: int | Sequence[int]):
   """Raises TypeError naming every non-floating leaf we would differentiate."""
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   bad = []
@@ -122,29 +130,50 @@ def _unscale(loss_scale: LossScale, grads: Any, grad_dtype: Any) -> Any:
       if _trees.is_floating(g) else u, unscaled, grads)
 
 
-def _attempt(scaled_fun, argnums, grad_dtype, axis_name, reduce_dtype):
-  """`attempt(loss_scale, *args)`: one scaled forward and backward, giving
-  `(grads, grads_finite, loss, aux)`, reduced over `axis_name`."""
+def scaled_gradient(fun: Callable[..., Any], argnums: int | Sequence[int],
+                    has_aux: bool, *, unscale_in: Any = None,
+                    grad_dtype: Any = None) -> Callable[..., tuple[Any, ...]]:
+  """`grad(loss_scale, *args, **kwargs) -> (grads, loss, aux)`: scale `fun`'s
+  loss, differentiate it with respect to `args[argnums]`, unscale.
+
+  The gradients are unscaled in their own dtypes, or in `unscale_in(leaf)`
+  where given (an accumulator's float32: a half gradient divided by the
+  scale in half would flush to zero), and returned in their parameters'
+  dtypes or, for real floating leaves, in `grad_dtype`. `aux` is None
+  without `has_aux`.
+  """
   # Positions in (loss_scale, *args): one further on, or the same from the end.
   shift = lambda i: i + 1 if i >= 0 else i
   nums = (shift(argnums) if isinstance(argnums, int)
           else tuple(map(shift, argnums)))
-  grad_fn = jax.value_and_grad(scaled_fun, argnums=nums, has_aux=True)
+  grad_fn = jax.value_and_grad(_scaled_loss(fun, has_aux), argnums=nums,
+                               has_aux=True)
+
+  def grad(loss_scale, *args, **kwargs):
+    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
+    if unscale_in is not None:
+      grads = jax.tree_util.tree_map(lambda g: g.astype(unscale_in(g)), grads)
+    return _unscale(loss_scale, grads, grad_dtype), loss, aux
+
+  return grad
+
+
+def _device_mean(fun, argnums, has_aux, grad_dtype, axis_name, reduce_dtype):
+  """`attempt(loss_scale, *args) -> (grads, loss, aux)`: the scaled gradient
+  of the whole batch, averaged over `axis_name` in `reduce_dtype`."""
+  grad = scaled_gradient(fun, argnums, has_aux, grad_dtype=grad_dtype)
 
   def attempt(loss_scale, *args, **kwargs):
     # Replicated params' gradients stay per device, to be summed in
     # reduce_dtype (inside shard_map, JAX's own sum is in their dtype).
     args, per_device = distributed.vary_replicated(args, argnums, axis_name)
-    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
-    grads = _unscale(loss_scale, grads, grad_dtype)
+    grads, loss, aux = grad(loss_scale, *args, **kwargs)
     if axis_name is not None:
       distributed.check_loss_axes(loss, axis_name, "scaled_value_and_grad")
       grads = distributed.average_grads(grads, axis_name, reduce_dtype,
                                         per_device)
       loss = distributed.average_value(loss, axis_name, reduce_dtype)
-    grads_finite = distributed.agree_finite(
-        loss_scale_lib.all_finite(grads), axis_name)
-    return grads, grads_finite, loss, aux
+    return grads, loss, aux
 
   return attempt
 
@@ -179,6 +208,53 @@ def _agreed_flags(grads: Any, axis_name: Any) -> Any:
     agreed = ~distributed.agree_finite(~jnp.stack(leaves), axis_name)
     flags = jax.tree_util.tree_unflatten(treedef, list(agreed))
   return flags
+
+
+def drive(attempt: Callable[..., tuple[Any, Any, Any]],
+          argnums: int | Sequence[int], *, has_aux: bool, axis_name: Any,
+          max_retries: Any, attribute_overflow: bool,
+          call: str | None = None) -> Callable[..., tuple[Any, ...]]:
+  """The loss-scaled driver every gradient function here runs on.
+
+  `attempt(loss_scale, *args, **kwargs) -> (grads, loss, aux)` says how one
+  attempt's gradients are computed (scaled, differentiated, unscaled and
+  reduced over `axis_name`: the whole batch, or microbatches). The driver
+  checks the arguments, checks the gradients for inf/NaN (agreed over
+  `axis_name`), redoes the attempt at a backed-off scale up to
+  `max_retries` times, and adjusts the scale once. `call`, if given, is how
+  the result is called, for the message when the loss scale is wrong.
+
+  Returns:
+    `g(loss_scale, *args, **kwargs) -> (new_loss_scale, grads_finite, value,
+    grads)` (plus the agreed `nonfinite_flags` with `attribute_overflow`),
+    as `scaled_value_and_grad` documents.
+  """
+  max_retries = check_max_retries(max_retries)
+
+  def checked(loss_scale, *args, **kwargs):
+    grads, loss, aux = attempt(loss_scale, *args, **kwargs)
+    grads_finite = distributed.agree_finite(
+        loss_scale_lib.all_finite(grads), axis_name)
+    return grads, grads_finite, loss, aux
+
+  def g(loss_scale: LossScale, *args, **kwargs):
+    if call is not None:
+      loss_scale_lib.require_loss_scale(loss_scale, "scaled_value_and_grad",
+                                        call)
+    check_differentiable(args, argnums)
+    grads, grads_finite, loss, aux = checked(loss_scale, *args, **kwargs)
+    # A loss scale without array leaves (NoOp, Static) cannot back off inside
+    # a traced call: a retry would recompute the very same overflow.
+    if max_retries and jax.tree_util.tree_leaves(loss_scale):
+      loss_scale, grads, grads_finite = _retry(
+          checked, max_retries, loss_scale, grads, grads_finite, args, kwargs)
+    out = (loss_scale.adjust(grads_finite), grads_finite,
+           (loss, aux) if has_aux else loss, grads)
+    if not attribute_overflow:
+      return out
+    return out + (_agreed_flags(grads, axis_name),)
+
+  return g
 
 
 def scaled_value_and_grad(
@@ -282,8 +358,10 @@ def scaled_value_and_grad(
     unscaled loss, or `(loss, aux)` with `has_aux=True`.
 
   Raises:
-    TypeError, ValueError: at once, if `fun` is not callable or
-      `max_retries` is not an int >= 0.
+    TypeError, ValueError: at once, if `fun` is not callable,
+      `max_retries` is not an int >= 0, or `grad_dtype` or `reduce_dtype`
+      is neither None nor a floating dtype (an integer or bool one would
+      truncate the gradients).
     TypeError: when `g` is called or traced, if its first argument is not a
       loss scale (a number, an array, or a forgotten loss scale: the message
       names `loss_scale` and the classes), if `fun` returns a non-scalar
@@ -303,26 +381,14 @@ def scaled_value_and_grad(
   """
   arguments.require_callable(fun, "scaled_value_and_grad", "fun",
                              "the loss function")
-  max_retries = _check_max_retries(max_retries)
-  attempt = _attempt(_scaled_loss(fun, has_aux), argnums, grad_dtype, axis_name,
-                     reduce_dtype)
-
-  def g(loss_scale: LossScale, *args, **kwargs):
-    loss_scale_lib.require_loss_scale(
-        loss_scale, "scaled_value_and_grad",
-        "scaled_value_and_grad(fun)(loss_scale, *args)")
-    _check_differentiable(args, argnums)
-    grads, grads_finite, loss, aux = attempt(loss_scale, *args, **kwargs)
-    # A loss scale without array leaves (NoOp, Static) cannot back off inside
-    # a traced call: a retry would recompute the very same overflow.
-    if max_retries and jax.tree_util.tree_leaves(loss_scale):
-      loss_scale, grads, grads_finite = _retry(
-          attempt, max_retries, loss_scale, grads, grads_finite, args, kwargs)
-    new_loss_scale = loss_scale.adjust(grads_finite)
-    value = (loss, aux) if has_aux else loss
-    if not attribute_overflow:
-      return new_loss_scale, grads_finite, value, grads
-    return (new_loss_scale, grads_finite, value, grads,
-            _agreed_flags(grads, axis_name))
-
-  return g
+  reduce_dtype = arguments.require_float_dtype(
+      reduce_dtype, "scaled_value_and_grad", "reduce_dtype", none_ok=True,
+      none_means="each gradient averaged in its own dtype")
+  grad_dtype = arguments.require_float_dtype(
+      grad_dtype, "scaled_value_and_grad", "grad_dtype", none_ok=True,
+      none_means="each gradient in its parameter's dtype")
+  attempt = _device_mean(fun, argnums, has_aux, grad_dtype, axis_name,
+                         reduce_dtype)
+  return drive(attempt, argnums, has_aux=has_aux, axis_name=axis_name,
+               max_retries=max_retries, attribute_overflow=attribute_overflow,
+               call="scaled_value_and_grad(fun)(loss_scale, *args)")

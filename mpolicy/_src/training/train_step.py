@@ -174,7 +174,7 @@ def make_train_step(
       model state) are batched; None for all of them. In those, every
       array with an axis is split; 0-d arrays and typed PRNG keys are
       passed whole (every microbatch gets the same key), as are keyword
-      arguments.
+      arguments: pass batched arrays positionally.
     loss_reduction: `"mean"` (`loss_fn` returns a mean over the batch), or
       `"sum_count"`: `loss_fn` returns `(sum, count)` (e.g. the summed
       token losses and the number of tokens; `((sum, count), aux)` with
@@ -194,6 +194,14 @@ def make_train_step(
       an optax transformation; when the step is called, if `loss_scale` is
       not a loss scale (a number, an array, or left out: the message names
       `loss_scale` and the loss-scale classes).
+    ValueError: at once, if `grad_dtype` or `reduce_dtype` is neither None
+      nor a floating dtype; with `microbatches`, when the step is traced, if
+      `microbatches` does not divide the batch, the batched arrays do not
+      share one leading axis, `batch_argnums` names an argument with no
+      array to split, nothing is split at all, or `loss_fn` fails on a
+      microbatch while an array of the batch's size was passed whole (a
+      keyword argument, or one left out of `batch_argnums`): the message
+      names the argument.
 
   >>> import jax, jax.numpy as jnp, optax, mpolicy
   >>> loss_fn = lambda p, x: jnp.mean((p["w"] * x - 1.) ** 2)
@@ -222,6 +230,12 @@ def make_train_step(
   where = "make_train_step"
   reduce_dtype, average_state = _warn_if_ignored(
       reduce_dtype, average_state, axis_name, has_state)
+  reduce_dtype = arguments.require_float_dtype(
+      reduce_dtype, where, "reduce_dtype", none_ok=True,
+      none_means="each gradient averaged in its own dtype")
+  grad_dtype = arguments.require_float_dtype(
+      grad_dtype, where, "grad_dtype", none_ok=True,
+      none_means="each gradient in its parameter's dtype")
   optimizer = half_params.for_param_rounding(optimizer, param_rounding)
   k = microbatches_lib.check_microbatches(microbatches, where)
   batch_argnums = microbatches_lib.check_batch_argnums(batch_argnums, where)
