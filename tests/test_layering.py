@@ -50,7 +50,7 @@ OWNERS = {
 INTERPRETER = ("interpreter", "amp", "higher_order", "rules", "rules.*")
 WINGS = ("*_bridge", "module_calls", "class_lookup", "training",
          "training.*", "checkpoint*", "processes", "explain", "fp8_stats",
-         "loss_scale", "distributed")
+         "loss_scale*", "distributed")
 
 
 def _matches(module: str, patterns) -> bool:
