@@ -106,3 +106,60 @@ def test_link_checker_catches_a_broken_file_and_anchor(tmp_path):
   assert _links(page) == [
       "other.md#with-jmp--mpolicy", "missing.md", "other.md#nowhere"]
   assert _anchors(tmp_path / "other.md") == {"other", "with-jmp--mpolicy"}
+
+
+# --- Printed tables against a run -------------------------------------------------
+
+
+def _table_rows(page: str, first_header_cell: str) -> list[list[str]]:
+  """The rows (cells stripped) of the markdown table on ``page`` whose
+  header starts with ``first_header_cell``, header first."""
+  lines = (DOCS / page).read_text().splitlines()
+  start = next(i for i, l in enumerate(lines)
+               if l.startswith(f"| {first_header_cell} |"))
+  rows = []
+  for line in lines[start:]:
+    if not line.startswith("|"):
+      break
+    if not line.startswith("|---"):
+      rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+  return rows
+
+
+def _stablehlo_counts(fn, *args) -> tuple[int, int, int]:
+  """(ops, reductions, float8 dots) of ``fn``'s StableHLO lowered for CUDA:
+  every line that calls a ``stablehlo.`` op, the ``stablehlo.reduce`` ones,
+  and the ``dot_general`` ones with float8 operands."""
+  import jax  # pylint: disable=import-outside-toplevel
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  ops = [l for l in text.splitlines()
+         if "stablehlo." in l and not l.startswith("module")]
+  reductions = [l for l in ops if re.search(r"stablehlo\.reduce\(", l)]
+  dots = [l for l in ops if "dot_general" in l and "xf8" in l.split("->")[0]]
+  return len(ops), len(reductions), len(dots)
+
+
+def test_fp8_lowering_table_counts_the_loss():
+  """docs/fp8.md's op counts: the loss `sum(f(x, w) ** 2)`, forward and
+  forward + backward, lowered for CUDA (no GPU needed)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import mpolicy  # pylint: disable=import-outside-toplevel
+  rows = _table_rows("fp8.md", "scaling")
+  assert rows[0] == ["scaling", "forward ops", "reductions", "fwd+bwd ops",
+                     "reductions", "float8 dots"]
+  x, w = jnp.ones((256, 512)), jnp.ones((512, 1024))
+  new = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+  for row in rows[1:]:
+    rules = mpolicy.DEFAULT_RULES.with_fp8(
+        min_size=0, scaling=row[0].replace(" ", "_"))
+    f = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=f8,o=bf16", rules=rules)
+    loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)
+    ops, reductions, _ = _stablehlo_counts(loss, x, w)
+    both, both_reductions, dots = _stablehlo_counts(
+        jax.grad(loss, argnums=(0, 1)), x, w)
+    assert row[1:3] == [str(ops), str(reductions)], row
+    documented = re.fullmatch(r"(\d+)(?: \((\d+) on 0\.12\))?", row[3])
+    assert int(documented.group(2) if new and documented.group(2)
+               else documented.group(1)) == both, row
+    assert row[4:] == [str(both_reductions), str(dots)], row
