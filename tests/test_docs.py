@@ -163,3 +163,62 @@ def test_fp8_lowering_table_counts_the_loss():
     assert int(documented.group(2) if new and documented.group(2)
                else documented.group(1)) == both, row
     assert row[4:] == [str(both_reductions), str(dots)], row
+
+
+def _lesson_header(script: str) -> list[str]:
+  """The header of the table ``examples/<script>.py`` prints, from its
+  `lesson_table` on one stand-in run."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  folder = str(ROOT / "examples")
+  if folder not in sys.path:
+    sys.path.insert(0, folder)
+  module = __import__(script)
+  log = types.SimpleNamespace(scale=[1.0], extra={}, skipped=0)
+  metrics = {"final loss": 1.0, "test loss": 1.0, "test accuracy": 0.5,
+             "never changed": 0.0, "unchanged by a step": 0.0}
+  run = types.SimpleNamespace(name="master", scale_type="NoOp", log=log,
+                              metrics=metrics)
+  line = module.lesson_table([run]).splitlines()[0]
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.parametrize("script, first_cells", [
+    ("loss_scaling_lesson", ("run", "loss scale")),
+    ("optimizer_lesson", ("run", "bytes/param"))])
+def test_lesson_tables_have_the_columns_the_scripts_print(script, first_cells):
+  page = (DOCS / "lessons.md").read_text()
+  header = next(r for r in _table_rows_of(page)
+                if tuple(r[:2]) == first_cells)
+  assert header == _lesson_header(script)
+
+
+def _table_rows_of(text: str) -> list[list[str]]:
+  """The header row of every markdown table in ``text``."""
+  lines = text.splitlines()
+  return [[c.strip() for c in l.strip().strip("|").split("|")]
+          for l, nxt in zip(lines, lines[1:] + [""])
+          if l.startswith("| ") and nxt.startswith("|---")]
+
+
+def test_compare_to_float32_table_has_the_printed_columns():
+  """docs/debugging.md's printed `compare_to_float32` table: the header
+  (and its rule) a report prints today, on a small model."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import mpolicy  # pylint: disable=import-outside-toplevel
+  text = (DOCS / "debugging.md").read_text()
+  (printed,) = [b for b in re.findall(r"^```\n(.*?)^```$", text,
+                                      flags=re.S | re.M)
+                if b.startswith("module (or op)")]
+  f = mpolicy.amp(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2),
+                  "p=f32,c=bf16,o=f32")
+  real = str(mpolicy.compare_to_float32(f, jnp.ones((3, 2)), jnp.ones((4, 3))))
+  columns = lambda table: re.split(r"\s{2,}", table.splitlines()[0].strip())
+  assert columns(printed) == columns(real)
+  assert "backward" in columns(printed)
+  # Every row has a cell per column (paths and numbers have no spaces
+  # but "(code outside amp)" and "max at ?": joined first).
+  for line in printed.splitlines()[2:-1]:
+    line = line.replace("(code outside amp)", "outside").replace(
+        "max at ?", "max")
+    assert len(line.split()) == len(columns(printed)), line
