@@ -192,11 +192,14 @@ def _explain_cell(digits_cnn, data, policy, bn_policy):
   """The `explain` cell `digits_cnn.train` prints for a run (the same
   model, policies and call; no training: the counts do not depend on it)."""
   import haiku as hk  # pylint: disable=import-outside-toplevel
+  forward = lambda x, is_training: digits_cnn.DigitsCNN()(x, is_training)
+  # float32 params and state, as the runs' `p=f32` policies make them
+  # (plain Haiku's init: `transform_amp`'s runs op by op, a minute).
+  params, state = hk.transform_with_state(forward).init(
+      jax.random.PRNGKey(0), data.x_train[:64], True)
   with mpolicy.push_policy(digits_cnn.DigitsCNN, policy), \
        mpolicy.push_policy(hk.BatchNorm, bn_policy):
-    model = mpolicy.transform_amp_with_state(
-        lambda x, is_training: digits_cnn.DigitsCNN()(x, is_training))
-    params, state = model.init(jax.random.PRNGKey(0), data.x_train[:64], True)
+    model = mpolicy.transform_amp_with_state(forward)
     return digits_cnn.mp_report.explain_summary(
         model.apply, params, state, None, data.x_test[:8], False)
 
