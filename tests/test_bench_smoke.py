@@ -178,8 +178,11 @@ def test_hlo_stats_on_a_compiled_cpu_module():
   assert stats.kernel_dtypes() == {"(bf16,bf16)->f32": 1, "(f32,f32)->f32": 1}
   assert stats.convert_pairs["f32->bf16"] == 2
   assert stats.while_loops == 0
+  # XLA:CPU reports its scratch memory (the bf16 and f32 intermediates),
+  # on every JAX end; an object without a memory analysis gives None.
   temp = hlo.temp_bytes(compiled)
-  assert temp is None or temp >= 0
+  assert isinstance(temp, int) and temp >= 4 * 8 * (4 + 2), temp
+  assert hlo.temp_bytes(object()) is None
 
 
 def test_gpu_preset_rejects_bad_flags_by_name():
@@ -219,7 +222,7 @@ def test_gpu_preset_smallest_scale_runs_every_variant(tmp_path):
   for key, r in variants.items():
     assert r["status"] == "ok", (key, r["status"])
     assert len(r["step_ms"]) == 1 and r["median_step_ms"] > 0
-    assert r["temp_bytes"] is None or r["temp_bytes"] >= 0
+    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] > 0, key
     assert r["final_loss"] > 0
   dtypes = {k: set(r["hlo"]["kernel_dtypes"]) for k, r in variants.items()}
   # 4 layers: 4 forward matmuls, 3 input gradients, 4 weight gradients.
@@ -228,9 +231,13 @@ def test_gpu_preset_smallest_scale_runs_every_variant(tmp_path):
   assert dtypes["f32"] == {"(f32,f32)->f32"}
   assert variants["f32"]["hlo"]["convert_pairs"].get("f32->bf16", 0) == 0
   for key in ("jmp", "mpolicy", "amp"):
-    # Some XLA:CPU versions run bf16 dots in float32 (converts around them).
-    assert (variants[key]["hlo"]["convert_pairs"]["f32->bf16"] > 0
-            or any("bf16" in d for d in dtypes[key])), key
+    assert variants[key]["hlo"]["convert_pairs"]["f32->bf16"] > 0, key
+  for key in ("mpolicy", "amp"):
+    # 7 of the 11 matmuls multiply bf16 by bf16 into float32, on both JAX
+    # ends (the hand-written jmp's bf16 dots XLA:CPU 0.10 runs in float32:
+    # only its casts are certain).
+    assert variants[key]["hlo"]["kernel_dtypes"] == {
+        "(bf16,bf16)->f32": 7, "(f32,f32)->f32": 4}, key
   for key in ("f16_jmp", "f16_mpolicy"):
     assert variants[key]["final_loss_scale"] in (2.0**15, 2.0**14)
     assert variants[key]["hlo"]["convert_pairs"]["f32->f16"] > 0

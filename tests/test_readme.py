@@ -148,3 +148,115 @@ def test_regions_encoder_in_bf16_full_precision_as_written(readme):
   # `h @ w.T` as written: bf16 h with f32 w promotes to float32.
   assert row.ran_in == "float32" and row.decided_by == "full_precision()"
   assert readme["ns"]["y"].dtype == jnp.float32
+
+
+# --- The main job's printed output ------------------------------------------------
+
+EXAMPLES = README.parent / "examples"
+# Columns whose figures move with the machine's load: never compared.
+TIMES = ("compile (s)", "train time (s)")
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+  """``(info string, body)`` of every fenced block, in order."""
+  return re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def _printed_block(marker: str) -> str:
+  """The README's plain fenced block (printed output) containing ``marker``."""
+  (block,) = [b for info, b in fenced_blocks(README.read_text())
+              if not info and marker in b]
+  return block
+
+
+def _table(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+  """The columns and, per run, the cells of a printed `mp_report` table."""
+  lines = [l for l in text.splitlines() if l.startswith("| ")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  rows = {}
+  for line in lines[1:]:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    rows[cells[0]] = dict(zip(header, cells))
+  return header, rows
+
+
+def _digits_cnn():
+  import sys  # pylint: disable=import-outside-toplevel
+  if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+  import digits_cnn  # pylint: disable=import-outside-toplevel
+  return digits_cnn
+
+
+def _explain_cell(digits_cnn, data, policy, bn_policy):
+  """The `explain` cell `digits_cnn.train` prints for a run (the same
+  model, policies and call; no training: the counts do not depend on it)."""
+  import haiku as hk  # pylint: disable=import-outside-toplevel
+  forward = lambda x, is_training: digits_cnn.DigitsCNN()(x, is_training)
+  # float32 params and state, as the runs' `p=f32` policies make them
+  # (plain Haiku's init: `transform_amp`'s runs op by op, a minute).
+  params, state = hk.transform_with_state(forward).init(
+      jax.random.PRNGKey(0), data.x_train[:64], True)
+  with mpolicy.push_policy(digits_cnn.DigitsCNN, policy), \
+       mpolicy.push_policy(hk.BatchNorm, bn_policy):
+    model = mpolicy.transform_amp_with_state(forward)
+    return digits_cnn.mp_report.explain_summary(
+        model.apply, params, state, None, data.x_test[:8], False)
+
+
+def test_main_job_output_is_the_run_it_describes():
+  """The README's table has the columns and runs `mp_report` prints, each
+  with the policy its `explain` line was measured under, and that line is
+  the one the script's model gives."""
+  header, rows = _table(_printed_block("digits: 1437 train"))
+  digits_cnn = _digits_cnn()
+  assert header == _table(digits_cnn.mp_report.table(
+      [], digits_cnn.METRICS))[0]
+  assert list(rows) == ["f32", "bf16"]
+  assert [r["policy"] for r in rows.values()] == [
+      str(mpolicy.get_policy("full")),
+      str(mpolicy.get_policy(digits_cnn.FLAGS["mp_policy"].default))]
+  data = digits_cnn.digits_data.load_digits()
+  assert rows["f32"]["explain"] == _explain_cell(digits_cnn, data, "full",
+                                                 "full")
+  assert rows["bf16"]["explain"] == _explain_cell(
+      digits_cnn, data, digits_cnn.FLAGS["mp_policy"].default, "full") == (
+          "38 ops: 19 bfloat16, 19 float32; "
+          "casts: 0 by op rules, 12 by module policies, 0 in the code")
+
+
+def test_the_op_rules_page_quotes_the_same_summary():
+  _, rows = _table(_printed_block("digits: 1437 train"))
+  page = " ".join((README.parent / "docs" / "op_rules.md").read_text().split())
+  assert f"reads `{rows['bf16']['explain']}`" in page
+
+
+@pytest.mark.ci  # The main job as a file at its defaults: 30 s of CPU.
+def test_main_job_at_its_defaults_prints_the_readme_table(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, PYTHONPATH=str(README.parent) + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "digits_cnn.py")],
+                        cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = _printed_block("digits: 1437 train")
+  assert proc.stdout.splitlines()[0].replace(
+      jax.__version__, "0.10.2") == printed.splitlines()[0]
+  header, rows = _table(printed)
+  real_header, real_rows = _table(proc.stdout)
+  assert header == real_header and list(rows) == list(real_rows)
+  for name, row in rows.items():
+    for column in header:
+      if column in TIMES:
+        continue
+      if column in ("test accuracy", "final loss"):
+        # The same seed and batches; XLA:CPU's threaded reductions and
+        # another JAX move the last digits (see docs/examples.md).
+        tolerance = 0.01 if column == "test accuracy" else 0.001
+        assert abs(float(row[column]) - float(real_rows[name][column])) <= (
+            tolerance), (name, column, real_rows[name][column])
+      else:
+        assert row[column] == real_rows[name][column], (name, column)

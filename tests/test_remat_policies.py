@@ -110,6 +110,27 @@ def _loss(policy):
   return loss
 
 
+# What the block's backward keeps (bytes, arguments left out), as plain JAX
+# keeps it on the bfloat16 block: the same on every JAX, except that JAX
+# 0.10's remat3 keeps nothing under the offload and anything-but policies
+# (its rules save only for its dots policies and names).
+KEPT_BYTES = {
+    "dots_saveable": 11264,  # The five matmul outputs.
+    "dots_with_no_batch_dims_saveable": 8192,  # The three unbatched ones.
+    "offload_dot_with_no_batch_dims": 8192,  # The same three, offloaded.
+    "save_only_these_names": 2048,  # query and attn_out.
+    "save_anything_except_these_names": 12288,  # Under remat3.
+}
+_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def _kept_bytes(name, which):
+  if (which == "jax_remat3" and _JAX < (0, 11) and name in (
+      "offload_dot_with_no_batch_dims", "save_anything_except_these_names")):
+    return 0
+  return KEPT_BYTES[name]
+
+
 @pytest.mark.parametrize("which", REMATS)
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_amp_keeps_what_plain_jax_keeps(name, which):
@@ -127,9 +148,7 @@ def test_amp_keeps_what_plain_jax_keeps(name, which):
     assert ours == everything
     return
   assert ours == plain
-  # (JAX 0.10's remat3 keeps nothing under the offload and anything-but
-  # policies: its rules save only for its dots policies and names.)
-  assert nbytes(ours) > 0 or which == "jax_remat3"
+  assert nbytes(ours) == _kept_bytes(name, which)
   if name.startswith("dots"):
     assert any("dot_general" in what for _, what, _ in ours)
 

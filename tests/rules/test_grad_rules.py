@@ -88,29 +88,52 @@ def test_backward_matmuls_accumulate_in_f32_in_hlo(platform):
       assert dtype == "bf16", line
 
 
+# Values: a loss whose gradients are of order one (the first class's
+# log-probability, weights scaled up), so that a relative tolerance of a few
+# percent tells a right gradient from a zero, halved or sign-flipped one.
+W_BIG, V_BIG = 4 * W, 4 * V
+
+
+def first_class(x, w, v):
+  return jnp.sum(jax.nn.log_softmax(jnp.tanh(x @ w) @ v)[..., 0])
+
+
+def assert_close_in_norm(got, want, rel=3e-2):
+  """``|got - want| <= rel * |want|`` (Frobenius), ``want`` far from zero."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.linalg.norm(want) > 0.1, "reference too small to tell anything"
+  error = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert error <= rel, f"relative error {error:.3g} > {rel}"
+
+
 def test_gradient_values_and_dtypes():
-  got = jax.grad(amp(mlp, HALF), argnums=(0, 1, 2))(X, W, V)
-  want = jax.grad(mlp, argnums=(0, 1, 2))(X, W, V)
+  got = jax.grad(amp(first_class, HALF), argnums=(0, 1, 2))(X, W_BIG, V_BIG)
+  want = jax.grad(first_class, argnums=(0, 1, 2))(X, W_BIG, V_BIG)
   for a, b in zip(got, want):
     assert a.dtype == F32
-    np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
+    assert_close_in_norm(a, b)
 
 
 def test_jvp_and_jacfwd_work():
-  f = amp(mlp, HALF)
-  _, t = jax.jvp(lambda w: f(X, w, V), (W,), (jnp.ones_like(W),))
-  _, t_ref = jax.jvp(lambda w: mlp(X, w, V), (W,), (jnp.ones_like(W),))
-  np.testing.assert_allclose(t, t_ref, rtol=5e-2, atol=5e-2)
-  jac = jax.jacfwd(lambda w: f(X, w, V))(W)
-  np.testing.assert_allclose(jac, jax.grad(lambda w: mlp(X, w, V))(W),
-                             rtol=5e-2, atol=5e-2)
+  f = amp(first_class, HALF)
+  tangent = jnp.arange(20.0, dtype=F32).reshape(4, 5) / 20
+  _, t = jax.jvp(lambda w: f(X, w, V_BIG), (W_BIG,), (tangent,))
+  _, t_ref = jax.jvp(lambda w: first_class(X, w, V_BIG), (W_BIG,), (tangent,))
+  assert abs(float(t_ref)) > 0.3
+  np.testing.assert_allclose(t, t_ref, rtol=3e-2)
+  jac = jax.jacfwd(lambda w: f(X, w, V_BIG))(W_BIG)
+  assert_close_in_norm(jac, jax.grad(lambda w: first_class(X, w, V_BIG))(W_BIG))
 
 
 def test_vmap_of_grad_uses_batching_rule():
-  f = jax.vmap(jax.grad(amp(mlp, HALF), argnums=1), in_axes=(0, None, None))
-  got = f(X[:, None], W, V)
-  want = jax.vmap(jax.grad(mlp, argnums=1), in_axes=(0, None, None))(X[:, None], W, V)
-  np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+  f = jax.vmap(jax.grad(amp(first_class, HALF), argnums=1),
+               in_axes=(0, None, None))
+  got = f(X[:, None], W_BIG, V_BIG)
+  want = jax.vmap(jax.grad(first_class, argnums=1), in_axes=(0, None, None))(
+      X[:, None], W_BIG, V_BIG)
+  assert got.shape == want.shape == (2, 4, 5)
+  for a, b in zip(got, want):  # Each example's gradient on its own.
+    assert_close_in_norm(a, b)
 
 
 def test_amp_dot_general_primitive_directly():

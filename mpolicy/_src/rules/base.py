@@ -114,6 +114,8 @@ class Op:
     rule, why, ran_in: what the rule decided, for `explain` (``ran_in`` is
       set where the op runs in another dtype than its arguments).
     note: what a rule that declined adds to the reason of the rule that ran.
+    entry: the table entry that classed it, where that is not its
+      primitive's (a float16 ``mul`` of a value by itself is a ``square``).
   """
   eqn: Any
   env: RuleEnv
@@ -128,6 +130,7 @@ class Op:
   why: str = "no rule: runs in its inputs' dtype"
   ran_in: Optional[str] = None
   note: str = ""
+  entry: Optional[str] = None
 
   @property
   def prim(self):
@@ -140,7 +143,7 @@ class Op:
   @property
   def reason(self) -> str:
     """The table's one-line reason for this primitive's class."""
-    return self.rules.reason_of(self.prim.name)
+    return self.rules.reason_of(self.entry or self.prim.name)
 
   @property
   def scope(self) -> str:

@@ -55,10 +55,11 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
   wide = region is not None and _wide_policy(region.policy)
   as_written = region is not None and (region.full_precision or wide)
   policy = None if region is None or as_written else region.policy
+  entry = table_entry(eqn, invals)
   op = base.Op(eqn=eqn, env=env, rules=rules, region=region,
-               args=list(invals), names=names,
+               args=list(invals), names=names, entry=entry,
                op_class=base.AS_WRITTEN if as_written else rules.class_of(
-                   eqn.primitive.name))
+                   entry or eqn.primitive.name))
   if wide:
     op.why = (f"policy {region.policy} from {region.decided_by} computes in "
               f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
@@ -102,6 +103,17 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
       recording.record(decision)
     sites.note_ran_in(decision.ran_in)
   return outs
+
+
+def table_entry(eqn, invals) -> Optional[str]:
+  """``"square"`` for a ``mul`` of a float16 value by itself (``x * x``,
+  as `jnp.linalg.norm` squares), whose result overflows float16 beyond 256
+  as ``x ** 2`` does; ``None`` (the primitive's own entry) otherwise."""
+  if (eqn.primitive.name == "mul" and len(invals) == 2
+      and eqn.invars[0] is eqn.invars[1]
+      and dtypes.dtype_of(invals[0]) == np.float16):
+    return "square"
+  return None
 
 
 def custom_rule(rules, eqn) -> tuple:
