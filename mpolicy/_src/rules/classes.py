@@ -162,8 +162,9 @@ def _as_written(op: base.Op) -> list:
     op.why = op.region.decided_by if op.region else "full_precision()"
   else:
     compute = np.dtype(op.region.policy.compute_dtype)
-    if any(dtypes.float_value(a) and dtypes.dtype_of(a).itemsize
-           < compute.itemsize for a in op.args):
+    if dtypes.is_double(compute) and any(
+        dtypes.float_value(a) and dtypes.dtype_of(a).itemsize
+        < compute.itemsize for a in op.args):
       op.why = (f"policy {op.region.policy} from {op.region.decided_by} "
                 f"computes in {compute.name}: floating inputs cast up to "
                 f"{compute.name}")

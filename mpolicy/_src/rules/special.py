@@ -95,9 +95,12 @@ def _rounds_a_float32_result(op: base.Op, new_dtype) -> bool:
   code traced on half values (a module a class policy governs casts its
   inputs to the compute dtype) that would round a loss or a statistic
   that the same code traced on float32 values keeps in float32 (a
-  per-token loss, ``logsumexp(z) - z[label]``, and its mean)."""
+  per-token loss, ``logsumexp(z) - z[label]``, and its mean). Only in a
+  module call: elsewhere a half value is the code's own (``jnp.var(
+  x.astype(jnp.bfloat16))`` is rounded as JAX rounds it)."""
   x = op.args[0]
   return (op.half_compute() is not None
+          and op.region is not None and op.region.module_class is not None
           and np.dtype(new_dtype) == np.dtype(op.eqn.outvars[0].aval.dtype)
           and dtypes.is_half(new_dtype)
           and np.dtype(op.eqn.invars[0].aval.dtype) == jnp.float32
