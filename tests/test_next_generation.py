@@ -153,16 +153,16 @@ def _vjp_in_jvp_rule(x, w):
 
 PROGRAMS = {"scan": _scan, "fori_loop": _fori, "remat": _remat,
             "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp,
-            "nested": _nested, "shard_map": _shard_map,
-            "jvp_recomputes": _jvp_recomputes,
-            "vjp_in_jvp_rule": _vjp_in_jvp_rule}
+            "nested": _nested, "shard_map": _shard_map}
+# Custom rules written for float32, checked by the tests that name them.
+CUSTOM_RULE_PROGRAMS = {"jvp_recomputes": _jvp_recomputes,
+                        "vjp_in_jvp_rule": _vjp_in_jvp_rule}
 
 # Which flag each program's own construct turns into a new primitive.
 OWN_FLAG = {"scan": "jax_scan3", "fori_loop": "jax_scan3",
             "remat": "jax_remat3", "custom_jvp": "jax_custom_jvp3",
             "custom_vjp": "jax_custom_vjp3",
-            "jvp_recomputes": "jax_custom_jvp3",
-            "vjp_in_jvp_rule": "jax_custom_vjp3"}
+            "jvp_recomputes": "jax_custom_jvp3"}
 
 
 def _transforms(fn):
@@ -199,7 +199,7 @@ def _leaves(tree):
 def check_same_as_flags_off(program: str, flags, transform: str):
   """amp-ed ``program`` under ``transform`` with ``flags`` on: what it gives
   with every flag off, or the error plain JAX raises with ``flags`` on."""
-  fn = PROGRAMS[program]
+  fn = {**PROGRAMS, **CUSTOM_RULE_PROGRAMS}[program]
   with all_flags_off():
     plain, args = _transforms(fn)[transform]
     refused = jax_error(plain, *args)
@@ -266,15 +266,17 @@ def test_custom_rules_written_for_float32_with_all_flags(program, transform):
 
 
 @needs_flags
-def test_custom_vjp_in_a_jvp_rule_gradient_with_all_flags():
+@pytest.mark.parametrize("names", [("jax_custom_vjp3",), FLAGS])
+def test_custom_vjp_in_a_jvp_rule_gradient_with_the_flags(names):
   """Its linear part (call_hi_primitive_linearized under jax_custom_vjp3)
-  runs as traced: the gradient is the flags-off one, bit for bit (the op
-  dtypes differ in one `sin`, float32 here and bfloat16 with the flags
-  off, which leaves the gradient's bits as they are)."""
+  runs as traced: the gradient is the flags-off one, bit for bit (with
+  jax_custom_jvp3 on too, the op dtypes differ in one `sin`, float32 there
+  and bfloat16 with the flags off, which leaves the gradient's bits as
+  they are)."""
   fn = lambda f: jax.jit(jax.grad(mpolicy.amp(f, HALF), argnums=(0, 1)))
   with all_flags_off():
     want = fn(_vjp_in_jvp_rule)(X, W)
-  with flags_on(FLAGS):
+  with flags_on(names):
     got = fn(_vjp_in_jvp_rule)(X, W)
   for a, b in zip(got, want):
     assert a.dtype == b.dtype == F32
