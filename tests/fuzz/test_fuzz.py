@@ -304,12 +304,13 @@ def test_custom_vjp_inside_a_jvp_rule_is_bitwise_plain_under_full(seed):
 def test_custom_vjp_inside_a_jvp_rule_with_the_next_generation_flags(seed):
   """As above with jax_custom_vjp3 and jax_custom_jvp3 on (and remat3;
   not scan3, which JAX 0.12 cannot differentiate)."""
-  names = [n for n in ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
-           if n in jax.config.values]
-  before = {n: jax.config.values[n] for n in names}
+  want = {n: n != "jax_scan3" for n in ("jax_scan3", "jax_remat3",
+                                         "jax_custom_vjp3", "jax_custom_jvp3")
+          if n in jax.config.values}
+  before = {n: jax.config.values[n] for n in want}
   try:
-    for n in names:
-      jax.config.update(n, True)
+    for n, on in want.items():
+      jax.config.update(n, on)
     check_full_is_bitwise(seed)
     check_half_is_close(seed, "bf16")
   finally:
