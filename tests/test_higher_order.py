@@ -11,7 +11,9 @@ from _helpers import all_eqns, checkpoints, jax_error, loop_carry_dtypes
 from _helpers import multiplies_in
 from jax.sharding import PartitionSpec as P
 
+from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
+from mpolicy._src.jax_compat import internals as jax_internals
 from mpolicy._src.higher_order import UnsupportedPrimitiveError
 from mpolicy._src.amp import amp
 from mpolicy._src.amp import full_precision
@@ -250,3 +252,133 @@ def test_decompositions_run_in_float32_on_half_inputs():
   assert prims["cholesky"].invars[0].aval.dtype == F32
   assert prims["eigh"].invars[0].aval.dtype == F32
   np.testing.assert_allclose(f(W), fn(W), rtol=3e-2)
+
+
+# --- Call primitives, found by name ---------------------------------------------
+
+_BIAS = jnp.arange(4.0, dtype=F32)
+
+
+def _calls_traced(x, w):
+  """A closed call (JAX 0.12's `eval_jaxpr`, 0.10.2's `closed_call`) whose
+  body closes over a constant."""
+  closed = jax.make_jaxpr(lambda a, b: jnp.tanh(a @ b + _BIAS))(x, w)
+  (out,) = jax_compat.bind(jax_compat.closed_call_p, [x, w],
+                           {"call_jaxpr": closed})
+  return out.sum()
+
+
+def _call_primitive_names(fn, *args):
+  calls = {p.name for p in sum(jax_compat.call_primitives(), ())}
+  return {e.primitive.name for e in all_eqns(fn, *args)} & calls
+
+
+def test_each_call_primitive_has_one_rule_of_its_kind():
+  """JAX 0.12 keeps `closed_call_p` and `call_p` as aliases of one
+  primitive, `eval_jaxpr` (a closed call): it gets the closed call's rule,
+  once, not the open call's."""
+  closed, opened = jax_compat.call_primitives()
+  assert closed, "no call primitive found by name"
+  assert len({id(p) for p in closed + opened}) == len(closed + opened)
+  for p in closed:
+    assert higher_order.rule_for(p) is higher_order._call, p.name  # pylint: disable=protected-access
+  for p in opened:
+    assert higher_order.rule_for(p) is higher_order._open_call, p.name  # pylint: disable=protected-access
+  names = higher_order.supported()
+  assert len(names) == len(set(names)), names
+  assert _call_primitive_names(_calls_traced, X, W)  # The program holds one.
+  check(_calls_traced)
+
+
+def test_call_rules_survive_the_aliases_going(monkeypatch):
+  """The day JAX deletes `closed_call_p` and `call_p` (aliases of
+  `eval_jaxpr_p` in 0.12), the call rules are registered all the same."""
+  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+  want = jax.jit(amp(_calls_traced, HALF))(X, W)
+  want_grad = jax.jit(jax.grad(amp(_calls_traced, HALF)))(X, W)
+  before = {p.name for p in jax_compat.call_primitives()[0]}
+  for alias in ("closed_call_p", "call_p"):
+    if getattr(jax_core, alias, None) is getattr(jax_core, "eval_jaxpr_p",
+                                                 object()):
+      monkeypatch.delattr(jax_core, alias)
+  monkeypatch.setattr(jax_internals, "_primitives_cache", {})
+  monkeypatch.setattr(higher_order, "_RULES", {
+      p: r for p, r in higher_order._RULES.items()  # pylint: disable=protected-access
+      if r not in (higher_order._call, higher_order._open_call)})  # pylint: disable=protected-access
+  higher_order._register_calls()  # pylint: disable=protected-access
+  assert {p.name for p in jax_compat.call_primitives()[0]} == before
+  assert "eval_jaxpr" in before or "closed_call" in before
+  for p in jax_compat.call_primitives()[0]:
+    assert higher_order.rule_for(p) is higher_order._call  # pylint: disable=protected-access
+  got = jax.jit(amp(_calls_traced, HALF))(X, W)
+  assert multiplies_in(next(e for e in all_eqns(
+      amp(_calls_traced, HALF), X, W) if "dot_general" in e.primitive.name)) \
+      == (BF16, BF16)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(
+      jax.jit(jax.grad(amp(_calls_traced, HALF)))(X, W), want_grad)
+
+
+def test_a_rule_given_twice_to_one_primitive_is_refused(monkeypatch):
+  monkeypatch.setattr(higher_order, "_RULES", dict(higher_order._RULES))  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="'scan' would get two"):
+    higher_order._rule_for(jax.lax.scan_p)(higher_order._call)  # pylint: disable=protected-access
+  higher_order._rule_for(jax.lax.scan_p, jax.lax.scan_p)(higher_order._scan)  # pylint: disable=protected-access
+
+
+# --- A custom_vjp differentiated inside a custom_jvp rule ----------------------
+
+
+@jax.custom_vjp
+def _vjp_inner(x, w):
+  return jnp.tanh(x @ w)
+
+
+def _vjp_inner_fwd(x, w):
+  return _vjp_inner(x, w), (x, w)
+
+
+_BWD_SAW: list = []  # The dtypes each call of the backward rule received.
+
+
+def _vjp_inner_bwd(res, g):
+  _BWD_SAW.append({np.dtype(v.dtype) for v in (*res, g)})
+  return jax.vjp(lambda a, b: jnp.tanh(a @ b), *res)[1](g)
+
+
+_vjp_inner.defvjp(_vjp_inner_fwd, _vjp_inner_bwd)
+
+
+@jax.custom_jvp
+def _jvp_outer(x, w):
+  return _vjp_inner(x, w) * 2.0
+
+
+@_jvp_outer.defjvp
+def _jvp_outer_rule(primals, tangents):
+  return jax.jvp(lambda a, b: _vjp_inner(a, b) * 2.0, primals, tangents)
+
+
+def _custom_lin_program(x, w):
+  return (_jvp_outer(x, w) @ w).sum()
+
+
+def test_custom_vjp_inside_a_jvp_rule_under_grad():
+  """JAX's JVP of the custom_vjp function inside the rule stages its
+  linear part (`custom_lin`): it runs as traced, its backward rule gets the
+  dtypes it was written for, and the gradient is the float32 one."""
+  _BWD_SAW.clear()
+  jax.grad(amp(_custom_lin_program, HALF))(X, W)
+  assert _BWD_SAW and all(saw == {F32} for saw in _BWD_SAW), _BWD_SAW
+  want = jax.grad(_custom_lin_program, argnums=(0, 1))(X, W)
+  full = jax.grad(amp(_custom_lin_program, "full"), argnums=(0, 1))(X, W)
+  for a, b in zip(full, want):
+    np.testing.assert_array_equal(a, b)
+  f = amp(_custom_lin_program, HALF)
+  dots = dot_dtypes(f, X, W)
+  assert dots and all(d == (BF16, BF16) for d in dots), dots
+  got = jax.jit(jax.grad(f, argnums=(0, 1)))(X, W)
+  for a, b in zip(got, want):
+    assert a.dtype == F32
+    np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
+    assert not np.array_equal(a, b)  # Its forward ran in bfloat16.

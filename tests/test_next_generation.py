@@ -119,14 +119,50 @@ def _shard_map(x, w):
   return jax.jit(body)(x, w).sum()
 
 
+@jax.custom_jvp
+def _tanh_layer(x, w):
+  return jnp.tanh(x @ w)
+
+
+@_tanh_layer.defjvp
+def _tanh_layer_rule(primals, tangents):
+  (x, w), (dx, dw) = primals, tangents
+  y = jnp.tanh(x @ w)  # The rule computes its primal output itself.
+  return y, (1 - y ** 2) * (dx @ w + x @ dw)
+
+
+def _jvp_recomputes(x, w):
+  return _tanh_layer(x, w).sum()
+
+
+@jax.custom_jvp
+def _jvp_of_vjp(x):
+  return _sin_fake_vjp(x) * 2.0
+
+
+@_jvp_of_vjp.defjvp
+def _jvp_of_vjp_rule(primals, tangents):
+  # JAX's JVP of the custom_vjp function stages its linear part: custom_lin,
+  # or call_hi_primitive_linearized under jax_custom_vjp3.
+  return jax.jvp(lambda a: _sin_fake_vjp(a) * 2.0, primals, tangents)
+
+
+def _vjp_in_jvp_rule(x, w):
+  return (_jvp_of_vjp(x @ w) @ w).sum()
+
+
 PROGRAMS = {"scan": _scan, "fori_loop": _fori, "remat": _remat,
             "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp,
             "nested": _nested, "shard_map": _shard_map}
+# Custom rules written for float32, checked by the tests that name them.
+CUSTOM_RULE_PROGRAMS = {"jvp_recomputes": _jvp_recomputes,
+                        "vjp_in_jvp_rule": _vjp_in_jvp_rule}
 
 # Which flag each program's own construct turns into a new primitive.
 OWN_FLAG = {"scan": "jax_scan3", "fori_loop": "jax_scan3",
             "remat": "jax_remat3", "custom_jvp": "jax_custom_jvp3",
-            "custom_vjp": "jax_custom_vjp3"}
+            "custom_vjp": "jax_custom_vjp3",
+            "jvp_recomputes": "jax_custom_jvp3"}
 
 
 def _transforms(fn):
@@ -163,7 +199,7 @@ def _leaves(tree):
 def check_same_as_flags_off(program: str, flags, transform: str):
   """amp-ed ``program`` under ``transform`` with ``flags`` on: what it gives
   with every flag off, or the error plain JAX raises with ``flags`` on."""
-  fn = PROGRAMS[program]
+  fn = {**PROGRAMS, **CUSTOM_RULE_PROGRAMS}[program]
   with all_flags_off():
     plain, args = _transforms(fn)[transform]
     refused = jax_error(plain, *args)
@@ -215,6 +251,48 @@ def test_each_flag_alone_on_its_construct(program):
 @pytest.mark.parametrize("flags", [(f,) for f in FLAGS] + [FLAGS])
 def test_every_flag_setting_everywhere(flags, program, transform):
   check_same_as_flags_off(program, flags, transform)
+
+
+@needs_flags
+@pytest.mark.parametrize("program,transform", [
+    ("jvp_recomputes", "jit"), ("jvp_recomputes", "grad"),
+    ("jvp_recomputes", "jvp"), ("vjp_in_jvp_rule", "jit"),
+    ("vjp_in_jvp_rule", "jvp")])
+def test_custom_rules_written_for_float32_with_all_flags(program, transform):
+  """A JVP rule that recomputes its primal output (at the dtypes it was
+  written for) and a custom_vjp differentiated inside a JVP rule: as with
+  the flags off."""
+  check_same_as_flags_off(program, FLAGS, transform)
+
+
+@needs_flags
+@pytest.mark.parametrize("names", [("jax_custom_vjp3",), FLAGS])
+def test_custom_vjp_in_a_jvp_rule_gradient_with_the_flags(names):
+  """Its linear part (call_hi_primitive_linearized under jax_custom_vjp3)
+  runs as traced: the gradient is the flags-off one, bit for bit (with
+  jax_custom_jvp3 on too, the op dtypes differ in one `sin`, float32 there
+  and bfloat16 with the flags off, which leaves the gradient's bits as
+  they are)."""
+  fn = lambda f: jax.jit(jax.grad(mpolicy.amp(f, HALF), argnums=(0, 1)))
+  with all_flags_off():
+    want = fn(_vjp_in_jvp_rule)(X, W)
+  with flags_on(names):
+    got = fn(_vjp_in_jvp_rule)(X, W)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype == F32
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_recomputing_jvp_rule_keeps_its_derivative():
+  with flags_on(FLAGS):
+    f = mpolicy.amp(_jvp_recomputes, HALF)
+    got = jax.jit(jax.grad(f, argnums=(0, 1)))(X, W)
+    ops = op_dtypes(jax.grad(f), X, W)
+  want = jax.grad(_jvp_recomputes, argnums=(0, 1))(X, W)
+  assert ("dot_general", ("bfloat16", "bfloat16")) in ops
+  for a, b in zip(got, want):
+    assert a.dtype == F32
+    np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2)
 
 
 # --- What each construct keeps --------------------------------------------------

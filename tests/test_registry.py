@@ -193,6 +193,34 @@ def test_empty_pattern_raises_value_error(bad):
   assert registry.snapshot() == {}
 
 
+@pytest.mark.parametrize("pattern,intent", [
+    ("encoder/", "use 'encoder' (children inherit its policy)"),
+    ("/encoder", "use 'encoder'"),
+    ("encoder//mlp", "use 'encoder/mlp'"),
+    ("hk.Linear", "set_policy(hk.Linear, policy)"),
+    ("nn.Dense", "set_policy(nn.Dense, policy)"),
+    ("haiku.BatchNorm", "set_policy(haiku.BatchNorm, policy)"),
+])
+def test_a_pattern_that_can_never_match_names_itself_and_the_intent(
+    pattern, intent):
+  for register in (mpolicy.set_policy,
+                   lambda k, p: mpolicy.push_policy(k, p).__enter__()):
+    with pytest.raises(ValueError) as info:
+      register(pattern, "p=f32,c=bf16,o=f32")
+    assert repr(pattern) in str(info.value) and intent in str(info.value)
+    assert "never match" in str(info.value)
+  assert registry.snapshot() == {}
+
+
+def test_patterns_used_across_the_docs_stay_valid():
+  for pattern in ("encoder", "encoder/~/mlp/*", "*/attention", "layer_[0-2]",
+                  "enc*/~/lin*", "*", "encoder/~/attention", "Dense_0",
+                  "encoder/Dense_0", "block/attention"):
+    mpolicy.set_policy(pattern, "full")
+    assert mpolicy.policy_for(pattern) is not None
+  mpolicy.clear_policies()
+
+
 def test_bad_policies_raise_and_register_nothing():
   with pytest.raises(ValueError, match="p=f32"):
     mpolicy.set_policy(hk.Linear, "p=f32,c=bf17")

@@ -12,7 +12,14 @@ the primitive again with the new sub-jaxprs:
 * `custom_jvp` / `custom_vjp` keep their custom derivative: the rule runs on
   the dtypes it was written for, with casts at its boundary;
 * `custom_linear_solve` runs exactly as traced (operands cast back to the
-  dtypes its solver was written for).
+  dtypes its solver was written for), and so does the linear part of a
+  custom VJP rule (``custom_lin``, ``call_hi_primitive_linearized``: a
+  `custom_vjp` function differentiated inside a JVP rule), whose backward
+  rule receives the dtypes it was written for.
+* the call primitives (``closed_call`` and ``call``; ``eval_jaxpr`` from
+  JAX 0.12 on) are found by name, each distinct primitive once.
+
+Each rule is registered beside its definition (`_rule_for`).
 
 JAX's next-generation constructs (``jax_scan3``, ``jax_remat3``,
 ``jax_custom_vjp3``, ``jax_custom_jvp3``) are one primitive,
@@ -69,7 +76,28 @@ def _carry_dtypes(vals) -> list:
 
 # --- Rules ------------------------------------------------------------------
 
+_RULES: dict[Any, Callable[..., list]] = {}
 
+
+def _rule_for(*primitives):
+  """Registers the decorated rule for each of ``primitives`` (``None``
+  entries, primitives this JAX lacks, are left out). A primitive reached
+  under two names (an alias) is registered once; one given two different
+  rules is an error."""
+  def register(rule):
+    for p in primitives:
+      if p is None:
+        continue
+      if _RULES.get(p, rule) is not rule:
+        raise ValueError(
+            f"mpolicy: the primitive {p.name!r} would get two higher-order "
+            f"rules ({_RULES[p].__name__} and {rule.__name__})")
+      _RULES[p] = rule
+    return rule
+  return register
+
+
+@_rule_for(jax_compat.jit_p)
 def _call(scope, eqn, invals):
   """`jit`/`closed_call`: one closed sub-jaxpr over all operands."""
   closed = jax_compat.sub_jaxpr(eqn)
@@ -85,6 +113,20 @@ def _open_call(scope, eqn, invals, **by_role):
   return _bind(eqn, [*consts, *invals], body=new_jaxpr, **by_role)
 
 
+def _register_calls() -> None:
+  """`_call` for each call primitive over a closed jaxpr, `_open_call` for
+  each over an open one: found by name (see `jax_compat.call_primitives`),
+  so JAX 0.12's ``eval_jaxpr`` gets one rule whether or not its old
+  aliases ``closed_call_p`` and ``call_p`` exist."""
+  closed, opened = jax_compat.call_primitives()
+  _rule_for(*closed)(_call)
+  _rule_for(*opened)(_open_call)
+
+
+_register_calls()
+
+
+@_rule_for(jax_compat.remat_p)
 def _checkpoint(scope, eqn, invals):
   """`jax.checkpoint`: its policy sees the half matmul and convolution
   primitives as the JAX ones they stand for (so ``dots_saveable`` keeps
@@ -94,6 +136,7 @@ def _checkpoint(scope, eqn, invals):
                     policy=jax_compat.policy_seeing_views(policy))
 
 
+@_rule_for(jax_compat.scan_p)
 def _scan(scope, eqn, invals):
   n_consts, n_carry = jax_compat.scan_counts(eqn.params)
   body = jax_compat.sub_jaxpr(eqn)
@@ -104,6 +147,7 @@ def _scan(scope, eqn, invals):
   return _bind(eqn, invals, body=new)
 
 
+@_rule_for(jax_compat.while_p)
 def _while(scope, eqn, invals):
   n_cond, n_body = jax_compat.while_counts(eqn.params)
   cond_consts = invals[:n_cond]
@@ -119,6 +163,7 @@ def _while(scope, eqn, invals):
   return _bind(eqn, invals, cond=new_cond, body=new_body)
 
 
+@_rule_for(jax_compat.cond_p)
 def _cond(scope, eqn, invals):
   branches = jax_compat.sub_jaxpr(eqn, "branches")
   operands = invals[1:]
@@ -134,6 +179,7 @@ def _cond(scope, eqn, invals):
   return _bind(eqn, invals, branches=new)
 
 
+@_rule_for(jax_compat.custom_jvp_call_p)
 def _custom_jvp(scope, eqn, invals):
   """The primal and the custom JVP rule both run under the rules, at the
   operands' dtypes; the rule's outputs follow the primal's output dtypes."""
@@ -164,6 +210,7 @@ def _custom_jvp(scope, eqn, invals):
                jvp=jax_compat.wrap_thunk(jvp_jaxpr_fun, old_jvp))
 
 
+@_rule_for(jax_compat.custom_vjp_call_p)
 def _custom_vjp(scope, eqn, invals):
   """The custom VJP rule sees the dtypes it was written for: operands are
   cast to those, and the primal and forward rule (both under the rules)
@@ -187,6 +234,7 @@ def _custom_vjp(scope, eqn, invals):
                fwd=jax_compat.wrap_thunk(fwd_jaxpr_thunk, old_fwd))
 
 
+@_rule_for(jax_compat.shard_map_p)
 def _shard_map(scope, eqn, invals):
   """The body is traced again inside its mesh axes (for `pvary` and
   collectives), at the dtypes its operands now have."""
@@ -201,9 +249,12 @@ def _shard_map(scope, eqn, invals):
   return _bind(eqn, invals, body=new_jaxpr)
 
 
+@_rule_for(jax_compat.linear_solve_p, *jax_compat.LINEARIZED_CUSTOM_RULES)
 def _as_traced(scope, eqn, invals):
   """Runs the primitive exactly as traced: operands cast back to the dtypes
-  its sub-jaxprs were written for (linear solves: half has no kernels)."""
+  its sub-jaxprs were written for (linear solves: half has no kernels; the
+  linear part of a custom VJP rule: its backward rule, run when JAX
+  transposes it, receives residuals and cotangents of those dtypes)."""
   args = [scope.cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
   return _bind(eqn, args)
 
@@ -252,14 +303,15 @@ def _cast_now(x, dtype):
   return jax.lax.convert_element_type(x, dtype)
 
 
-def _interpreted(scope, fn, out_dtypes=None, in_dtypes=None):
+def _interpreted(scope, fn, out_dtypes=None, in_dtypes=None, written=None):
   """``fn``, one of JAX's rule functions (pytrees in and out), run under
   the rules wherever JAX calls it: traced, interpreted quietly and
   evaluated. ``out_dtypes(n)`` gives the dtype of each of its ``n`` output
   leaves (``None`` entries, or a ``None`` list: as they come); without
   it, each output keeps the dtype ``fn`` gives it. ``in_dtypes(n)``, if
   given, the dtypes to cast its ``n`` input leaves to where it does not
-  trace at theirs."""
+  trace at theirs; ``written`` (default ``fn``), the rule traced then: the
+  one written for those dtypes."""
 
   def run(*args):
     try:
@@ -269,11 +321,12 @@ def _interpreted(scope, fn, out_dtypes=None, in_dtypes=None):
         raise
       leaves, tree = jax.tree_util.tree_flatten(args)
       want = in_dtypes(len(leaves))
-      if want is None:
+      if want is None and written is None:
         raise
-      args = jax.tree_util.tree_unflatten(
-          tree, [_cast_now(x, d) for x, d in zip(leaves, want)])
-      closed, dynamic, finish = _hj.trace_rule(fn, args)
+      if want is not None:
+        args = jax.tree_util.tree_unflatten(
+            tree, [_cast_now(x, d) for x, d in zip(leaves, want)])
+      closed, dynamic, finish = _hj.trace_rule(written or fn, args)
     if out_dtypes is None:
       fixed = [a.dtype for a in closed.out_avals]
     else:
@@ -298,6 +351,19 @@ def _custom_vjp3(scope, eqn, obj, invals):
   return _hj.bind(_hj.custom_vjp_rebuild(obj, new_primal, new_fwd), args)
 
 
+def _primals_and_tangents(written: list, n: int) -> Optional[list]:
+  """The dtypes of a JVP rule's ``n`` operand leaves, its primals written
+  as ``written``: each tangent as its primal, where that is known (every
+  tangent given, or every primal of one floating dtype); else ``None``."""
+  k = len(written)
+  floats = {d for d in written if dtypes.is_float(d)}
+  if n == 2 * k:
+    return written * 2
+  if k < n < 2 * k and len(floats) == 1:
+    return written + [floats.pop()] * (n - k)
+  return None
+
+
 def _custom_jvp3(scope, eqn, obj, invals):
   """As `_custom_jvp`: the primal and the JVP rule run under the rules at
   the operands' dtypes (the rule at the dtypes it was written for where it
@@ -307,11 +373,14 @@ def _custom_jvp3(scope, eqn, obj, invals):
   new_primal = scope.trace(primal, _avals_like(primal.jaxpr.invars, invals))
   outs = [a.dtype for a in new_primal.out_avals]
   written = [a.dtype for a in primal.in_avals]
-  # The rule maps (primals, tangents) to (outputs, output tangents).
-  wrap = lambda rule: _interpreted(
+  # The rule maps (primals, tangents) to (outputs, output tangents). Where
+  # it does not trace at the new dtypes (it computes its primal output
+  # itself, at the dtypes it was written for), it runs as written.
+  wrap = lambda rule, as_written: _interpreted(
       scope, rule,
       out_dtypes=lambda n: outs * 2 if n == 2 * len(outs) else None,
-      in_dtypes=lambda n: written * 2 if n == 2 * len(written) else None)
+      in_dtypes=lambda n: _primals_and_tangents(written, n),
+      written=as_written)
   return _hj.bind(_hj.custom_jvp_rebuild(obj, new_primal, wrap), invals)
 
 
@@ -332,6 +401,7 @@ _CONSTRUCT_RULES: dict[str, Callable[..., list]] = {
 }
 
 
+@_rule_for(_hj.call_hi_primitive_p)
 def _construct(scope, eqn, invals):
   """``call_hi_primitive``: the rule of its construct's kind. A construct
   mpolicy does not know runs as traced if it carries no sub-computation
@@ -349,27 +419,6 @@ def _construct(scope, eqn, invals):
         f"mpolicy knows the constructs {', '.join(sorted(_hj.KINDS))}. Run "
         f"it as written inside `mpolicy.full_precision()`.")
   return _as_traced(scope, eqn, invals)
-
-
-_RULES: dict[Any, Callable[..., list]] = {
-    jax_compat.jit_p: _call,
-    jax_compat.scan_p: _scan,
-    jax_compat.while_p: _while,
-    jax_compat.cond_p: _cond,
-    jax_compat.remat_p: _checkpoint,
-    jax_compat.custom_jvp_call_p: _custom_jvp,
-    jax_compat.custom_vjp_call_p: _custom_vjp,
-}
-if jax_compat.closed_call_p is not None:
-  _RULES[jax_compat.closed_call_p] = _call
-if jax_compat.core_call_p is not None:
-  _RULES[jax_compat.core_call_p] = _open_call
-if jax_compat.shard_map_p is not None:
-  _RULES[jax_compat.shard_map_p] = _shard_map
-if jax_compat.linear_solve_p is not None:
-  _RULES[jax_compat.linear_solve_p] = _as_traced
-if _hj.call_hi_primitive_p is not None:
-  _RULES[_hj.call_hi_primitive_p] = _construct
 
 
 def rule_for(primitive) -> Optional[Callable[..., list]]:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import fnmatch
+import re
 import threading
 from typing import Any, Optional, Union
 
@@ -57,6 +58,7 @@ def _check_key(key: Any) -> Key:
           f"set_policy: the name pattern {key!r} has leading or trailing "
           "spaces; module names never do. Use "
           f"{key.strip()!r}.")
+    _check_pattern(key)
     return key
   if isinstance(key, type):
     framework = frameworks.framework_of(key)
@@ -78,6 +80,43 @@ def _check_key(key: Any) -> Key:
       f"set_policy: the key must be {accepted} or a non-empty name "
       "pattern string (e.g. 'encoder/~/mlp', '*/attention'); got "
       f"{key!r} of type {type(key).__name__}.")
+
+
+# A module class written as a string: ``"hk.Linear"``, ``"nn.Dense"``.
+_CLASS_AS_STRING = re.compile(
+    r"^(hk|haiku|nn|linen|flax\.linen|nnx|flax\.nnx|eqx|equinox)\.[A-Za-z_]\w*$")
+
+
+def _check_pattern(key: str) -> None:
+  """Raises a clear error for a name pattern that can never match.
+
+  >>> for bad in ("encoder/", "hk.Linear"):
+  ...   try:
+  ...     _check_pattern(bad)
+  ...   except ValueError as e:
+  ...     print(str(e).split(". ")[-1])
+  For the module 'encoder' and everything inside it use 'encoder' (children inherit its policy); for what is inside it only, 'encoder/*'.
+  Pass the class itself: set_policy(hk.Linear, policy) (Haiku and Flax linen classes).
+  """
+  if _CLASS_AS_STRING.match(key):
+    alias, name = key.rsplit(".", 1)
+    raise ValueError(
+        f"set_policy: {key!r} looks like a module class written as a "
+        f"string. A string keys a name pattern over module names (such as "
+        f"'encoder/~/linear' or '*/attention'), and no module name reads "
+        f"{key!r}, so it would never match. Pass the class itself: "
+        f"set_policy({alias}.{name}, policy) (Haiku and Flax linen classes).")
+  parts = key.split("/")
+  if "" in parts:
+    inner = "/".join(p for p in parts if p)
+    hint = (f"For the module {inner!r} and everything inside it use "
+            f"{inner!r} (children inherit its policy); for what is inside it "
+            f"only, {inner + '/*'!r}." if inner else
+            "Use '*' for every module.")
+    raise ValueError(
+        f"set_policy: the name pattern {key!r} has an empty component (a "
+        "leading, trailing or doubled '/'), and no module name or scope "
+        f"path has one, so it would never match. {hint}")
 
 
 def _check_policy(policy: PolicyLike) -> policy_lib.Policy:

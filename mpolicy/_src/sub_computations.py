@@ -47,9 +47,7 @@ REFUSED_PRIMITIVES: dict[str, str] = {
     "custom_partitioning": ("its partitioning rules are Python written for "
                             "the traced dtypes"),
     "linear_call": "its transpose is written for the traced dtypes",
-    "custom_lin": _AD_MADE,
     "remat_opt": _AD_MADE,
-    "call_hi_primitive_linearized": _AD_MADE,
     "custom_jvp_call_jaxpr": "a legacy form of custom_jvp_call",
     "composite": ("a `lax.composite`: a backend may replace its "
                   "decomposition by a kernel written for the traced dtypes"),
@@ -59,7 +57,6 @@ REFUSED_PRIMITIVES: dict[str, str] = {
     "run_state": "a stateful program over references",
     "run_scoped": "a Pallas kernel's scoped allocation",
     "jaxpr_call": "a call inside a Pallas kernel",
-    "eval_jaxpr": "JAX 0.10's eval_jaxpr (made by next-generation constructs)",
     "core_map": "a Pallas core map",
     "mpmd_map": "a Pallas MPMD map",
     "emit_pipeline": "a Pallas TPU pipeline (inside a kernel)",

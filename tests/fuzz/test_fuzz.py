@@ -285,3 +285,34 @@ def test_fp8_under_vmap_agrees_with_fp8_inside_vmap(seed):
     "seed", [s for s in range(502, 540) if s not in _FP8_SHORT])
 def test_fp8_under_vmap_long(seed):
   check_fp8_vmap_orders_agree(seed)
+
+
+# --- A custom_vjp differentiated inside a custom_jvp rule ------------------------
+# Seeds whose program calls a custom_vjp function inside a custom_jvp one: the
+# JVP rule's JAX JVP stages the custom_vjp's linear part (`custom_lin`, or
+# `call_hi_primitive_linearized` under jax_custom_vjp3), which amp refused.
+
+_CUSTOM_LIN = (101, 137)
+
+
+@pytest.mark.parametrize("seed", _CUSTOM_LIN)
+def test_custom_vjp_inside_a_jvp_rule_is_bitwise_plain_under_full(seed):
+  check_full_is_bitwise(seed)
+
+
+@pytest.mark.parametrize("seed", _CUSTOM_LIN)
+def test_custom_vjp_inside_a_jvp_rule_with_the_next_generation_flags(seed):
+  """As above with jax_custom_vjp3 and jax_custom_jvp3 on (and remat3;
+  not scan3, which JAX 0.12 cannot differentiate)."""
+  want = {n: n != "jax_scan3" for n in ("jax_scan3", "jax_remat3",
+                                         "jax_custom_vjp3", "jax_custom_jvp3")
+          if n in jax.config.values}
+  before = {n: jax.config.values[n] for n in want}
+  try:
+    for n, on in want.items():
+      jax.config.update(n, on)
+    check_full_is_bitwise(seed)
+    check_half_is_close(seed, "bf16")
+  finally:
+    for n, v in before.items():
+      jax.config.update(n, v)

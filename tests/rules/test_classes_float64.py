@@ -92,3 +92,37 @@ def test_bias_parameter_is_still_broadcast_with_a_float32_gradient():
           and e.invars[0].aval.shape == (3, 4)]
   assert sums and all(str(e.invars[0].aval.dtype) == "float32" for e in sums)
   np.testing.assert_array_equal(g(b), np.full((1, 4), 3.0))
+
+
+# --- A float64 compute policy ---------------------------------------------------
+
+
+def _mlp(x, w):
+  return jnp.tanh(x @ w).sum() + jnp.exp(x * 0.1).mean()
+
+
+def test_a_float64_policy_computes_float32_inputs_in_float64():
+  """``c=f64`` on float32 inputs: every op runs in float64 (as
+  `transform_amp` casts inputs to the compute dtype), so the result is the
+  float64 one, and `explain` says each row ran in float64."""
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 8), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (8, 8), jnp.float32)
+    f = mpolicy.amp(_mlp, "c=f64")
+    got = jax.jit(f)(x, w)
+    want = _mlp(x.astype(jnp.float64), w.astype(jnp.float64))
+    in32 = _mlp(x, w)
+    assert got.dtype == jnp.float64
+    assert abs(float(got - want)) <= 1e-14 * abs(float(want))
+    assert abs(float(in32 - want)) > 1e-9 * abs(float(want))  # f32 would fail.
+    rows = mpolicy.explain(f, x, w).rows
+    computes = [r for r in rows if r.primitive in ("dot_general", "tanh",
+                                                   "exp", "reduce_sum")]
+    assert computes and all(r.ran_in == "float64" for r in computes), rows
+    for r in rows:  # What a row says ran is what it says it computes in.
+      if "computes in float64" in r.decided_by:
+        assert r.ran_in != "float32", r
+    # The float32 policy still runs the code as written.
+    same = jax.jit(mpolicy.amp(_mlp, "full"))(x, w)
+    assert same.dtype == jnp.float32
+    np.testing.assert_array_equal(same, jax.jit(_mlp)(x, w))

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import mpolicy
 from mpolicy._src import interpreter
@@ -77,3 +78,44 @@ def test_inside_full_precision_the_code_runs_as_written():
   assert out.dtype == jnp.float16
   np.testing.assert_allclose(out, np.exp(np.linspace(0, 1, 4)), rtol=1e-3)
   assert row.rule == "as written"
+
+
+# --- jax_debug_infs -------------------------------------------------------------
+
+
+def _overflows_in_f16(x):
+  return (x @ x).sum()
+
+
+def _overflows_in_f32(x):
+  return jnp.exp(x).sum()
+
+
+def test_debug_infs_names_the_op_that_overflowed_in_half():
+  """Without amp nothing overflows; with it JAX would blame the cast or
+  half matmul mpolicy made: the error names the code's op, its line, the
+  dtype it ran in and the policy."""
+  x = jnp.full((4, 4), 300.0)
+  with jax.debug_infs(True):
+    jax.block_until_ready(_overflows_in_f16(x))  # float32: finite.
+    for f in (mpolicy.amp(_overflows_in_f16, "p=f32,c=f16,o=f32"),
+              jax.grad(mpolicy.amp(_overflows_in_f16, "p=f32,c=f16,o=f32"))):
+      with pytest.raises(FloatingPointError) as info:
+        jax.block_until_ready(f(x))
+      message = str(info.value)
+      assert message.startswith("mpolicy: dot_general gave inf or NaN")
+      assert "test_dispatch.py:" in message and "run in float16" in message
+      assert "p=f32,c=f16,o=f32" in message and "full_precision()" in message
+      assert "JAX reported: invalid value (inf)" in message
+
+
+def test_debug_infs_on_an_overflow_without_amp_says_what_jax_says():
+  x = jnp.full((4,), 100.0)
+  with jax.debug_infs(True):
+    with pytest.raises(FloatingPointError, match="encountered in exp") as plain:
+      _overflows_in_f32(x)
+    with pytest.raises(FloatingPointError) as info:
+      mpolicy.amp(_overflows_in_f32, "p=f32,c=f16,o=f32")(x)
+  message = str(info.value)
+  assert str(plain.value) in message and "mpolicy: exp gave inf" in message
+  assert "run in float32" in message and "without amp it gives" in message

@@ -8,6 +8,7 @@ float32, as a ``full`` op's result does under float16.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 import mpolicy
 
 F16 = "p=f32,c=f16,o=f32"
+HALF = "p=f32,c=bf16,o=f32"
 
 
 def _layer_norm():
@@ -75,3 +77,37 @@ def test_a_bfloat16_statistic_is_narrowed_as_written():
   rounded = float(jnp.var(x.astype(jnp.bfloat16)))
   assert float(f(x)) == rounded != float(jnp.var(x.astype(jnp.bfloat16)
                                                   .astype(jnp.float32)))
+
+
+class _LossModel(nn.Module):
+  """A linen model that computes its own mean per-token loss."""
+
+  @nn.compact
+  def __call__(self, x, labels):
+    z = nn.Dense(100)(jnp.tanh(nn.Dense(64)(x)))
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
+    return jnp.mean(lse - picked)
+
+
+def test_a_loss_inside_a_module_under_a_bf16_class_policy_stays_float32():
+  """Under a bfloat16 class policy the module's code is traced on bfloat16
+  values (the policy casts its inputs); `mean` and `logsumexp` compute in
+  float32 and JAX rounds their results back to bfloat16. Kept in float32,
+  the loss is what `amp(fn, policy)` gives, not a bfloat16 rounding of
+  it."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  labels = jax.random.randint(jax.random.PRNGKey(1), (16,), 0, 100)
+  model = _LossModel()
+  variables = model.init(jax.random.PRNGKey(2), x, labels)
+  fn = lambda v, x, l: model.apply(v, x, l)
+  want = mpolicy.amp(fn, HALF)(variables, x, labels)
+  with mpolicy.push_policy(_LossModel, HALF):
+    got = mpolicy.amp(fn)(variables, x, labels)
+    rows = mpolicy.explain(mpolicy.amp(fn), variables, x, labels).rows
+  assert got.dtype == jnp.float32
+  assert float(got) == float(want)
+  assert float(got) != float(jnp.asarray(got, jnp.bfloat16))  # Not rounded.
+  (sub,) = [r for r in rows if r.primitive == "sub"
+            and r.module_class is not None and r.ran_in == "float32"][-1:]
+  assert "bfloat16" in sub.in_dtypes  # lse (float32) - z[label] (bfloat16).

@@ -1,5 +1,6 @@
 """The one door to JAX internals.
 
+* `calls`: JAX's call primitives, looked up by name.
 * `internals`: name stacks, where an equation was written, jaxpr types,
   primitives matched by identity, tracing, defining primitives, devices.
 * `linearize`: running a function under `jax.grad` with a linearization
@@ -20,17 +21,19 @@
 `internals`, `linearize`, `processes`, `remat`, `survey` and `hijax` are
 the modules that import JAX's private and extension modules. Supporting another JAX
 version means changing this package only. Nothing in it knows about
-mpolicy's policies. Every name of `internals`, `linearize`, `params`,
+mpolicy's policies. Every name of `calls`, `internals`, `linearize`, `params`,
 `processes` and `remat` is re-exported here: the rest of mpolicy imports `jax_compat` and
 nothing below it.
 """
 
 from mpolicy._src.jax_compat.internals import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat.calls import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.linearize import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.params import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.processes import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.remat import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat import survey
+from mpolicy._src.jax_compat import calls as _calls
 from mpolicy._src.jax_compat import internals as _internals
 from mpolicy._src.jax_compat import linearize as _linearize
 from mpolicy._src.jax_compat import params as _params
@@ -39,5 +42,5 @@ from mpolicy._src.jax_compat import remat as _remat
 from mpolicy._src.jax_compat import hijax
 from mpolicy._src.jax_compat.hijax import jaxprs_in_params
 
-__all__ = [*_internals.__all__, *_linearize.__all__, *_params.__all__,
+__all__ = [*_internals.__all__, *_calls.__all__, *_linearize.__all__, *_params.__all__,
            *_processes.__all__, *_remat.__all__, "jaxprs_in_params"]

@@ -234,13 +234,16 @@ def _jvp_rule_for(rule, traced):
 
 def custom_jvp_rebuild(obj, primal: jex_core.ClosedJaxpr, wrap) -> Any:
   """The custom_jvp construct with another primal jaxpr (its operands'
-  dtypes may differ) and JVP rule ``wrap(rule)``, ``rule`` being its JVP
-  rule made for the new primal's result types."""
+  dtypes may differ) and JVP rule ``wrap(rule, written)``: ``rule`` is its
+  JVP rule made for the new primal's result types, ``written`` the rule as
+  it came, checked against the result types the function was written with
+  (a rule that computes its primal output itself gives those)."""
   params = construct_params(obj)
   traced = _traced_with(params["traced"], primal)
   in_avals = jax.tree_util.tree_unflatten(obj.in_tree, list(primal.in_avals))
   rule = _jvp_rule_for(params["jvp_rule"], traced)
-  return _rebuild(obj, traced=traced, jvp_rule=wrap(rule), in_avals=in_avals)
+  return _rebuild(obj, traced=traced, jvp_rule=wrap(rule, params["jvp_rule"]),
+                  in_avals=in_avals)
 
 
 def checkpoint_name_rebuild(obj, aval) -> Any:

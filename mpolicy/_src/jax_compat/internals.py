@@ -212,7 +212,11 @@ def manual_axes_context(mesh, manual: frozenset,
 # registrations) must exist in the installed JAX: a test checks
 # `absent_primitive_names()` against this list, so a misspelt or removed
 # name cannot be skipped silently.
-VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {}
+VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {
+    # Replaced by `eval_jaxpr` (present in 0.10.2, gone in 0.12; see `calls`).
+    "closed_call": (None, (0, 12, 0)),
+    "call": (None, (0, 12, 0)),
+}
 
 _absent: set[str] = set()
 
@@ -243,9 +247,7 @@ jit_p = _pjit.jit_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
-closed_call_p = _optional(_core, "closed_call_p")
 linear_solve_p = _optional(_control_flow, "linear_solve_p")
-core_call_p = _optional(_core, "call_p")
 
 # Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
 # `jax.debug.callback` and `jax.debug.print`): Python code that receives its
@@ -528,14 +530,12 @@ __all__ = [
     "call_thunk",
     "called_jax_function",
     "check_vma_enabled",
-    "closed_call_p",
     "ClosedJaxpr",
     "cond_p",
     "conv_batch",
     "conv_general_dilated_p",
     "conv_transpose",
     "convert_element_type_p",
-    "core_call_p",
     "current_name_stack",
     "current_scope_names",
     "custom_jvp_call_p",

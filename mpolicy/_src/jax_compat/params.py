@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src.jax_compat import calls as _calls
 from mpolicy._src.jax_compat import internals as _i
 
 def _leaf_count(group, where: str) -> int:
@@ -142,19 +143,24 @@ _ROLES: dict[Any, dict[str, str]] = {
         (_i.custom_jvp_call_p, {"body": "call_jaxpr", "jvp": "jvp_jaxpr_fun"}),
         (_i.custom_vjp_call_p, {"body": "call_jaxpr",
                                 "fwd": "fwd_jaxpr_thunk"}),
-        (_i.closed_call_p, {"body": "call_jaxpr"}),
-        (_i.core_call_p, {"body": "call_jaxpr"}),
         (_i.shard_map_p, {"body": "jaxpr"}),
     ) if p is not None}
+# Every call primitive: its sub-jaxpr is ``call_jaxpr`` (``jaxpr`` in JAX
+# 0.10.2's `eval_jaxpr`, which JAX stages as a `closed_call`).
+_ROLES.update((p, {"body": ("call_jaxpr", "jaxpr")})
+              for p in sum(_calls.call_primitives(), ()))
 
 
-def _key(primitive, role: str) -> str:
+def _key(primitive, role: str, params) -> str:
   try:
-    return _ROLES[primitive][role]
+    key = _ROLES[primitive][role]
   except KeyError:
     raise KeyError(
         f"mpolicy: {primitive.name!r} has no sub-jaxpr role {role!r} (roles: "
         f"{sorted(_ROLES.get(primitive, {}))})") from None
+  if isinstance(key, tuple):  # Candidates: the one these params hold.
+    key = next((k for k in key if k in params), key[0])
+  return key
 
 
 def sub_jaxpr(eqn, role: str = "body"):
@@ -166,7 +172,7 @@ def sub_jaxpr(eqn, role: str = "body"):
   rule thunk), ``"fwd"`` (`custom_vjp`'s forward thunk); and, not a
   sub-jaxpr, ``"policy"`` (`checkpoint`'s remat policy).
   """
-  return eqn.params[_key(eqn.primitive, role)]
+  return eqn.params[_key(eqn.primitive, role, eqn.params)]
 
 
 def bind_with(eqn, args, **by_role) -> list:
@@ -174,7 +180,7 @@ def bind_with(eqn, args, **by_role) -> list:
   (``body=new_jaxpr``, ...); returns a list of outputs."""
   params = dict(eqn.params)
   for role, value in by_role.items():
-    params[_key(eqn.primitive, role)] = value
+    params[_key(eqn.primitive, role, eqn.params)] = value
   out = _i.bind(eqn.primitive, args, params)
   return list(out) if eqn.primitive.multiple_results else [out]
 

@@ -28,7 +28,9 @@ What each class means:
   re-typed equation, it runs on inputs cast back to the dtypes it was
   traced with.
 * `base.AS_WRITTEN`: inside `full_precision()` and where a policy that
-  computes in float32 or wider governs: the code runs exactly as written.
+  computes in float32 or wider governs: the code runs exactly as written,
+  except that a float64 policy computes in float64 (narrower floating
+  inputs cast up, as `transform_amp` casts them).
 
 The registrations below are PyTorch autocast's fp32 and promote lists,
 translated to JAX primitives, and the facts the rules read (which
@@ -152,11 +154,23 @@ def _inputs(op: base.Op, why: Optional[str] = None) -> list:
 def _as_written(op: base.Op) -> list:
   """Inside `full_precision()`, or where a policy that computes in float32
   (or wider) governs: no op rule applies, the ``full`` class's up-cast of
-  half inputs included. Disagreeing inputs meet at the widest."""
+  half inputs included. Disagreeing inputs meet at the widest. Where a
+  float64 policy governs, narrower floating inputs are cast up to float64
+  (as `transform_amp` casts a module's inputs and parameters to it)."""
   op.rule = base.AS_WRITTEN
   if op.region is None or op.region.full_precision:
     op.why = op.region.decided_by if op.region else "full_precision()"
   else:
+    compute = np.dtype(op.region.policy.compute_dtype)
+    if dtypes.is_double(compute) and any(
+        dtypes.float_value(a) and dtypes.dtype_of(a).itemsize
+        < compute.itemsize for a in op.args):
+      op.why = (f"policy {op.region.policy} from {op.region.decided_by} "
+                f"computes in {compute.name}: floating inputs cast up to "
+                f"{compute.name}")
+      op.args = [_as_typed(a, v, compute)
+                 for a, v in zip(op.args, op.eqn.invars)]
+      return _run_at(op, compute)
     # Values the rules outside made narrower than the code had them (a
     # half matmul's result entering a `full` region) are read as the code
     # had them; half values the code made itself stay half.
@@ -165,6 +179,16 @@ def _as_written(op: base.Op) -> list:
                and dtypes.dtype_of(a).itemsize < np.dtype(v.aval.dtype).itemsize
                else a for a, v in zip(op.args, op.eqn.invars)]
   return _run_at(op, _array_target(op.eqn, op.args))
+
+
+def _as_typed(value, var, dtype):
+  """A scalar literal (a Python float in the code, stored in a narrower
+  dtype) as the shortest decimal its dtype prints for it, in ``dtype``:
+  ``0.1`` rather than float32's 0.100000001...; else ``value``."""
+  if (isinstance(var, jax_compat.Literal) and np.ndim(value) == 0
+      and dtypes.is_float(var.aval.dtype)):
+    return np.asarray(float(str(np.asarray(value, var.aval.dtype)[()])), dtype)
+  return value
 
 
 def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:

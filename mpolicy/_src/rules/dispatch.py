@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import recording
 from mpolicy._src import regions
@@ -75,14 +76,10 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
   op.policy = policy
   facts = op.facts
 
-  fn, key = ((None, None) if region is not None and region.full_precision
-             else custom_rule(rules, eqn))
-  if fn is not None:
-    outs = custom.run(op, fn, key)
-  else:
-    outs = facts.special(op) if facts.special is not None else None
-    if outs is None:
-      outs = classes.CLASS_RULES[op.op_class](op)
+  try:
+    outs = _apply(op, rules, region)
+  except FloatingPointError as e:  # `jax_debug_infs` / `jax_debug_nans`.
+    raise non_finite_error(op, e) from None
 
   if facts.keeps_param and invals and env.is_param(invals[0]) and len(outs) == 1:
     env.mark_param(outs[0])
@@ -114,6 +111,54 @@ def table_entry(eqn, invals) -> Optional[str]:
       and dtypes.dtype_of(invals[0]) == np.float16):
     return "square"
   return None
+
+
+def _apply(op: base.Op, rules: base.RuleTable,
+           region: Optional[regions.Region]) -> list:
+  """The outputs of ``op`` by its custom, special or class rule."""
+  fn, key = ((None, None) if region is not None and region.full_precision
+             else custom_rule(rules, op.eqn))
+  if fn is not None:
+    return custom.run(op, fn, key)
+  outs = op.facts.special(op) if op.facts.special is not None else None
+  if outs is None:
+    outs = classes.CLASS_RULES[op.op_class](op)
+  return outs
+
+
+def non_finite_error(op: base.Op, error: FloatingPointError):
+  """JAX's ``jax_debug_infs``/``jax_debug_nans`` error for a value ``op``
+  made, naming the op of the traced code it came from (JAX names the
+  primitive it dispatched, which may be a cast or a half matmul mpolicy
+  made for it), where it was written, and what it ran in.
+
+  >>> import jax, jax.numpy as jnp, mpolicy
+  >>> f = mpolicy.amp(lambda x: x @ x, "p=f32,c=f16,o=f32")
+  >>> with jax.debug_infs(True), jax.disable_jit():  # Op by op.
+  ...   try:
+  ...     jax.block_until_ready(f(jnp.full((2, 2), 300.0)))
+  ...   except FloatingPointError as e:
+  ...     print(str(e).split(";")[0])
+  mpolicy: dot_general gave inf or NaN under amp
+  """
+  where = jax_compat.user_location(op.eqn) or "an unknown line"
+  ran = sorted({dtypes.dtype_of(a).name for a in op.args
+                if dtypes.float_value(a)}) or ["-"]
+  governs = (f"policy {op.region.policy} from {op.region.decided_by}"
+             if op.region is not None and op.region.policy is not None
+             else "no policy")
+  advice = ("A value past the half dtype's range (65504 for float16) "
+            "overflows to inf: compute that part in float32 (a float32 "
+            "policy on its module or scope, or `mpolicy.full_precision()`), "
+            "or use bfloat16, which has float32's range." if any(
+                dtypes.is_half(dtypes.dtype_of(a)) for a in op.args
+                if dtypes.float_value(a))
+            else "It ran in the dtypes the code has: without amp it gives "
+            "inf or NaN too.")
+  return FloatingPointError(
+      f"mpolicy: {op.prim.name} gave inf or NaN under amp; written at "
+      f"{where}, run in {','.join(ran)} ({op.rule or 'as traced'}; "
+      f"{governs}). JAX reported: {error}. {advice}")
 
 
 def custom_rule(rules, eqn) -> tuple:

@@ -67,6 +67,11 @@ def _convert(op: base.Op) -> Optional[list]:
                "overflow where float32 does not")
     op.ran_in = "float32"
     return [op.args[0]]
+  if op.rule == base.JAX_CAST and _rounds_a_float32_result(op, new_dtype):
+    op.why += ("; kept in float32, as a full op's result (the code traced "
+               "on float32 values has no such cast)")
+    op.ran_in = "float32"
+    return [op.args[0]]
   return [op.env.cast(op.args[0], new_dtype)]
 
 
@@ -79,6 +84,26 @@ def _loses_range(op: base.Op, new_dtype) -> bool:
   ``full`` op's float32 result does under float16."""
   x = op.args[0]
   return (np.dtype(new_dtype) == jnp.float16
+          and dtypes.dtype_of(x) == jnp.float32 and dtypes.is_traced(x)
+          and op.env.const_of(x) is None)
+
+
+def _rounds_a_float32_result(op: base.Op, new_dtype) -> bool:
+  """Whether ``op`` is JAX rounding a result it computed in float32 back to
+  the half dtype of its input, under a half policy: ``jnp.mean`` and
+  ``jax.nn.logsumexp`` of a half array sum in float32 and return half. In
+  code traced on half values (a module a class policy governs casts its
+  inputs to the compute dtype) that would round a loss or a statistic
+  that the same code traced on float32 values keeps in float32 (a
+  per-token loss, ``logsumexp(z) - z[label]``, and its mean). Only in a
+  module call: elsewhere a half value is the code's own (``jnp.var(
+  x.astype(jnp.bfloat16))`` is rounded as JAX rounds it)."""
+  x = op.args[0]
+  return (op.half_compute() is not None
+          and op.region is not None and op.region.module_class is not None
+          and np.dtype(new_dtype) == np.dtype(op.eqn.outvars[0].aval.dtype)
+          and dtypes.is_half(new_dtype)
+          and np.dtype(op.eqn.invars[0].aval.dtype) == jnp.float32
           and dtypes.dtype_of(x) == jnp.float32 and dtypes.is_traced(x)
           and op.env.const_of(x) is None)
 
