@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 
 from mpolicy._src import amp as amp_lib
+from mpolicy._src import arguments
 from mpolicy._src import recording
 from mpolicy._src import regions
 
@@ -180,6 +181,9 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
 
   See also: `amp`, `transform_amp`, `explain_policy`.
   """
+  arguments.require_callable(
+      fn, "explain", "fn", "an amp-ed function or transform_amp's apply, "
+      "called as explain(fn, *args)")
   note = ""
   with recording.recording() as rows:
     _trace(fn, args, kwargs)

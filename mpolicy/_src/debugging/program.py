@@ -21,8 +21,8 @@ from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
 from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src import sites
+from mpolicy._src import tree_paths
 from mpolicy._src.debugging import walk
-from mpolicy._src.training import attribution
 
 _SCALES = (loss_scale_lib.NoOpLossScale, loss_scale_lib.StaticLossScale,
            loss_scale_lib.DynamicLossScale)
@@ -61,7 +61,7 @@ class Call:
     self.fn, self.who = fn, who
     self.static, self.arrays = amp_lib.split_arguments(args, {})
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
-    self.paths = [attribution.path_str(p) for p, x in leaves if _traced(x)]
+    self.paths = [tree_paths.path_str(p) for p, x in leaves if _traced(x)]
     n_first = len(amp_lib.split_arguments((args[0],), {})[1])
     self.wrt = [i for i in range(n_first) if dtypes.float_value(self.arrays[i])]
 
