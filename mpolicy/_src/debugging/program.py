@@ -77,9 +77,13 @@ class Call:
           f"lambda p, x: loss_fn(p, x)[0] for a (loss, aux) pair.")
     return out
 
-  def program(self, grad: bool, loss_scale: Any = None
-              ) -> Callable[..., list]:
-    """``arrays -> [loss, *gradients]`` (just ``[loss]`` without ``grad``)."""
+  def program(self, grad: bool, loss_scale: Any = None,
+              unscale: bool = False) -> Callable[..., list]:
+    """``arrays -> [loss, *gradients]`` (just ``[loss]`` without ``grad``).
+
+    The gradients are those of the loss times ``loss_scale``'s scale (if
+    one is given), as a training step's backward pass computes them; with
+    ``unscale``, divided by it after, as the step applies them."""
     if not grad:
       return lambda *arrays: [self.value(*arrays)]
 
@@ -93,6 +97,8 @@ class Call:
 
       (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(
           [arrays[i] for i in self.wrt])
+      if unscale and loss_scale is not None:
+        grads = loss_scale.unscale(grads)
       return [loss, *grads]
 
     return program

@@ -371,10 +371,13 @@ def _take(x, indices):
   return x.reshape(-1)[indices]
 
 
-def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:
-  """The float32 shadow's run (its `Outputs` observed)."""
+def float32_run(call: program_lib.Call, grad: bool,
+                loss_scale: Any = None) -> program_lib.Run:
+  """The float32 shadow's run (its `Outputs` observed), its gradients
+  those of the loss times ``loss_scale``'s scale, divided after."""
   with registry.push_everywhere("full"):
-    return program_lib.run(call, call.program(grad), in_float32=sites.EVERY,
+    return program_lib.run(call, call.program(grad, loss_scale, True),
+                           in_float32=sites.EVERY,
                            checking=False, observer=Outputs)
 
 
@@ -391,8 +394,8 @@ def _module_of(param: str, modules: set) -> Optional[str]:
   return None
 
 
-def compare_to_float32(fn: Callable[..., Any], *args,
-                       grad: bool = True) -> ShadowReport:
+def compare_to_float32(fn: Callable[..., Any], *args, grad: bool = True,
+                       loss_scale: Any = None) -> ShadowReport:
   """Compares each module's outputs (and its parameters' gradients) with
   a float32 shadow of the same computation.
 
@@ -427,16 +430,21 @@ def compare_to_float32(fn: Callable[..., Any], *args,
     fn: the loss function, as you call it.
     *args: its arguments (gradients are taken with respect to the first).
     grad: also compare the parameters' gradients.
+    loss_scale: ``None``, a number or an mpolicy loss scale: the backward
+      pass starts from the loss times its scale and the gradients are
+      divided by it after, as a training step computes them (a float16
+      model's unscaled gradients may underflow where its step's do not).
 
   Returns:
     A `ShadowReport`.
 
   See also: `locate_nonfinite`, `suggest_policy`, `explain`.
   """
+  loss_scale = program_lib.check_loss_scale(loss_scale, "compare_to_float32")
   call = program_lib.Call(fn, args, "compare_to_float32")
-  got = program_lib.run(call, call.program(grad), checking=False,
-                        observer=Outputs)
-  return report_of(call, got, float32_run(call, grad), grad)
+  got = program_lib.run(call, call.program(grad, loss_scale, True),
+                        checking=False, observer=Outputs)
+  return report_of(call, got, float32_run(call, grad, loss_scale), grad)
 
 
 def report_of(call: program_lib.Call, got: program_lib.Run,
