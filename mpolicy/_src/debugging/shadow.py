@@ -1,7 +1,7 @@
 """`compare_to_float32`: each module's error against its float32 shadow.
 
 The computation (the loss, and with ``grad`` its gradients) runs twice, op
-by op (`walk`): as given, and as its float32 shadow, traced with every
+by op (`interpreter.replay`, watched by `check`): as given, and as its float32 shadow, traced with every
 registry entry ``full`` and every op in float32 (`sites.tagging` with
 every site in float32: half operands widened, narrowing casts kept wide),
 which covers an `amp` policy too.
@@ -18,7 +18,7 @@ of ``want``, so that ``rel_error**2 == bias**2 + noise**2``. A module's
 parameters' gradients are compared the same way, as one vector. Of a value
 with more than `SAMPLE` elements a fixed random `SAMPLE` are kept and
 compared (gradients whole): a run holds a bounded sample of every value it
-made, and the walker drops each value after its last read.
+made, and the replay drops each value after its last read.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from mpolicy._src import registry
 from mpolicy._src import sites
 from mpolicy._src import tables
 from mpolicy._src.debugging import program as program_lib
-from mpolicy._src.debugging import walk
+from mpolicy._src.rules import facts
+from mpolicy._src.debugging import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +243,12 @@ def _unit_outputs_leave(consumer: Optional[tuple], producer: tuple) -> bool:
 
 # Casts and what only moves values: outside modules they pass values on.
 _PASSING = frozenset({"convert_element_type", "reduce_precision"}) | (
-    walk.MOVERS)
+    frozenset(facts.names_with("moves")))
 
 
 class Outputs:
-  """Collects what each unit hands out, and reads, while a walker runs
-  (its observer): in the forward pass, values; in the backward pass,
+  """Collects what each unit hands out, and reads, while a checker watches
+  a replay (its watcher): in the forward pass, values; in the backward pass,
   cotangents (and the gradients it hands back).
 
   Attributes:
@@ -306,13 +307,13 @@ class Outputs:
     for vid in in_ids:
       self._read(vid, unit, direction)
     for vid, x in zip(out_ids, outs):
-      if vid != walk.FINITE:
+      if vid != check.FINITE:
         self._made[vid] = (direction, unit, sample(x),
                            np.dtype(x.dtype).name)
 
   def passed(self, in_ids, out_id, value) -> None:
     source = next((self._made[i] for i in in_ids if i in self._made), None)
-    if source is not None and out_id != walk.FINITE:
+    if source is not None and out_id != check.FINITE:
       self._made[out_id] = (source[0], source[1], sample(value), source[3])
 
   def finish(self, out_ids) -> None:
