@@ -407,7 +407,8 @@ def _observed(env: Env, eqn, invals, names, config: Config, reads) -> list:
     eq.iteration, eq.device, eq.traced = (step.iteration, step.device,
                                           step.traced)
     eq.transforms = step.transforms + jax_compat.eqn_transforms(eqn)
-    eq.feeds_forward = any(v in reads for v in eqn.outvars)
+    eq.outs_read = tuple(v in reads for v in eqn.outvars)
+    eq.feeds_forward = any(eq.outs_read) or bool(eqn.effects)  # A write.
   observe.before(eq, invals)
   outs = None
   try:
@@ -508,8 +509,7 @@ def _step(env: Env, eqn, invals, names, config: Config, eq, rule) -> list:
   step_rule = (None if rule is None else
                stepping.rule_for(eqn.primitive, config.step.traced))
   if step_rule is not None:
-    reads = (None if eq is None else
-             tuple(eq.feeds_forward for _ in eqn.outvars))
+    reads = None if eq is None else eq.outs_read
     outs = step_rule(Stepper(config, names, eqn, eq, reads), eqn, invals)
     if outs is not None:
       if eq is not None:

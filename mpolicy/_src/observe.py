@@ -89,7 +89,8 @@ class Equation:
     transforms: the transforms on its name stack (``"transpose"``: part
       of a backward pass; `interpreter.replay`).
     feeds_forward: whether an equation outside the backward pass reads its
-      results (`interpreter.replay`).
+      results, or it writes a reference (`interpreter.replay`).
+    outs_read: per result, whether such an equation reads it.
     traced: whether its values are tracers while the interpreter replays
       (a `shard_map` body, traced once for every device).
     stepped: a higher-order equation the interpreter stepped through
@@ -105,6 +106,7 @@ class Equation:
   device: Optional[int] = None
   transforms: tuple[str, ...] = ()
   feeds_forward: bool = True
+  outs_read: Optional[tuple[bool, ...]] = None
   traced: bool = False
   stepped: bool = False
 

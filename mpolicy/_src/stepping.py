@@ -121,7 +121,9 @@ def _shard_map(stepper, eqn, invals):
       extra = carried(outs)
     return (*outs, jax_compat.make_varying(extra, axes)[None])
 
-  results = jax_compat.shard_map_like(eqn, local, 0, 1)(*invals)
+  # Under `jit`: traced, not run device by device (eager `shard_map` has
+  # no references, which a scan3 loop in the body makes).
+  results = jax.jit(jax_compat.shard_map_like(eqn, local, 0, 1))(*invals)
   outs = list(results[:n_out])
   stepper.devices_ran(results[n_out], outs)
   return outs

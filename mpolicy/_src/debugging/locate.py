@@ -21,6 +21,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from mpolicy._src import interpreter
 from mpolicy._src import jax_compat
 from mpolicy._src import registry
 from mpolicy._src import sites
@@ -143,7 +144,7 @@ def _finite_with(program: Callable[..., list], arrays, path: str,
     else:
       stack.enter_context(sites.tagging(in_float32={site}))
     closed = jax.make_jaxpr(program)(*arrays)
-  return program_lib.all_finite(jax_compat.eval_eagerly(closed, *arrays))
+  return program_lib.all_finite(interpreter.replay(closed, arrays))
 
 
 def _cotangent_of(found: list, index: int) -> int:

@@ -241,9 +241,10 @@ def _unit_outputs_leave(consumer: Optional[tuple], producer: tuple) -> bool:
   return not (other == path or other.startswith(path + "/"))
 
 
-# Casts and what only moves values: outside modules they pass values on.
+# Casts, what only moves values and what puts them into references:
+# outside modules they pass values on.
 _PASSING = frozenset({"convert_element_type", "reduce_precision"}) | (
-    frozenset(facts.names_with("moves")))
+    frozenset(facts.names_with("moves") + facts.names_with("fills_ref")))
 
 
 class Outputs:
