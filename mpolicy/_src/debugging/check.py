@@ -21,6 +21,7 @@ each device's checks and is replayed per device (`Checker.devices_ran`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import weakref
@@ -142,6 +143,8 @@ class Checker(observe.Observer):
     log: its `Entry`s in execution order and their checks (arrays of "not
       finite" flags, one per check, in check order; a `shard_map` body's
       come as one array, a row per device).
+    flops: the matmul FLOPs run, by (site index, dtype): a loop body's
+      count once per iteration, a `shard_map` body's once.
     watcher: if set, ``watcher.made(event, in_ids, out_ids, outs)`` is
       called for every equation run on concrete values, and
       ``watcher.passed(in_ids, out_id, value)`` for every value the
@@ -159,6 +162,8 @@ class Checker(observe.Observer):
     self._event_of: dict[tuple, int] = {}
     self._constants: dict[int, tuple[Any, bool]] = {}
     self._keep: list[Any] = []
+    # (site index or None, dtype name) -> the matmul FLOPs run there.
+    self.flops: collections.Counter = collections.Counter()
 
   # --- Value ids ---
 
@@ -247,6 +252,10 @@ class Checker(observe.Observer):
   def after(self, eq: observe.Equation, invals, outs) -> None:
     if outs is None or eq.stepped:
       return  # It failed; or its bodies' equations were told.
+    matmul = jax_compat.matmul_flops(eq.eqn)
+    if matmul is not None:
+      self.flops[(sites.site_of(eq.names), np.dtype(matmul[1]).name)] += (
+          matmul[0])
     in_ids = [self.vid(x) for x in invals]
     found = facts.of(eq.eqn.primitive)
     if found.fills_ref:  # The reference now holds the value written.

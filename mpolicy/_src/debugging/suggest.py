@@ -311,7 +311,7 @@ class _Search:
     return Measured(
         islands, finite, value.rel_error if value else inf,
         grads.rel_error if grads else (0.0 if finite else inf),
-        flops.half_fraction(run.jaxpr.jaxpr), first), run
+        flops.half_fraction(run.checker.flops), first), run
 
   def ranked(self, run, islands) -> list[tuple[str, float, Any]]:
     """Modules not yet islands, by the error they add per share of the
@@ -321,7 +321,7 @@ class _Search:
       ``(path, why)`` pairs.
     """
     report = shadow.report_of(self.call, run, self.reference, True)
-    own = flops.by_module(run.jaxpr.jaxpr, run.sites)
+    own = flops.by_module(run.checker.flops, run.sites)
     total = sum(own.values()) or 1
     found = []
     for row in report.rows:
