@@ -12,7 +12,9 @@ registry pattern, or `amp`'s own ``policy``), then hands it on:
 
 The environment (`Env`) holds the values and caches casts per (value,
 dtype), so a parameter used three times is cast once, and an up-cast
-remembers its half source so casting back is free.
+remembers its half source so casting back is free. Tools watch each
+equation through `observe`; `replay` runs a finished program as written,
+stepping through its constructs (`stepping`), for the debugger.
 """
 
 from __future__ import annotations
