@@ -32,7 +32,6 @@ import dataclasses
 import itertools
 import os
 import sys
-import threading
 from typing import Any, Optional
 
 import jax
@@ -128,7 +127,6 @@ class _Tagger(observe.Observer):
 
 _KEY = jax.make_user_context(default_value=None)  # Part of jit's cache key.
 _blocks = itertools.count()
-_active = threading.local()
 
 
 @contextlib.contextmanager
@@ -145,18 +143,8 @@ def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
   found: list[Site] = []
   tagger = _Tagger(found, in_float32 if in_float32 is EVERY
                    else frozenset(in_float32))
-  prev = getattr(_active, "depth", 0)
-  _active.depth = prev + 1
-  try:
-    with observe.watching(tagger), _KEY(next(_blocks)):
-      yield found
-  finally:
-    _active.depth = prev
-
-
-def active() -> bool:
-  """Whether a `tagging()` block is open on this thread."""
-  return getattr(_active, "depth", 0) > 0
+  with observe.watching(tagger), _KEY(next(_blocks)):
+    yield found
 
 
 # Libraries whose frames are not the user's code: a Haiku layer's matmul is
