@@ -41,10 +41,9 @@ FINITE = 0
 """The value id of constants and of values known to be finite."""
 
 facts.register((
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
-    "neg", "abs", "copy", "copy_p", "rev", "concatenate", "stop_gradient",
-    "real", "imag", "conj", "pvary", "pcast", "device_put",
-    "sharding_constraint", "get"), moves=True)
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "neg", "abs",
+    "copy", "rev", "concatenate", "stop_gradient", "real", "imag", "conj",
+    "pvary", "device_put", "sharding_constraint", "get"), moves=True)
 facts.register(("new_ref", "swap", "addupdate"), fills_ref=True)
 
 
