@@ -1,6 +1,7 @@
 """Helpers shared by the tests: walking jaxprs, comparing bits, poisoning
 gradients, running on 8 devices."""
 
+import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +183,20 @@ def overflowing_flax_net():
   variables = jax.tree_util.tree_map(
       lambda v: v * 0 + 1.0, model.init(jax.random.PRNGKey(0), x))
   return model, variables, x
+
+
+@contextlib.contextmanager
+def recorded_rows():
+  """The rows `explain` would show of what the interpreter runs inside
+  (the decisions it tells observers, probes left out)."""
+  from mpolicy._src import observe  # pylint: disable=g-import-not-at-top
+  rows = []
+
+  class _Rows(observe.Observer):
+
+    def after(self, eq, invals, outs):
+      if eq.decision is not None and not eq.quiet:
+        rows.append(eq.decision)
+
+  with observe.watching(_Rows()):
+    yield rows

@@ -300,3 +300,12 @@ def test_casts_in_the_code_counts_only_casts_the_code_wrote():
                               *rest)
   report = explain(amp(with_one_cast, HALF), *args, 6)
   assert report.casts_in_code == 2
+
+
+@pytest.mark.parametrize("name", ["explain", "fp8_stats"])
+def test_a_function_that_is_not_callable_is_refused_by_name(name):
+  """``explain(3)`` names the argument and what it must be, rather than
+  failing inside the trace with "'int' object is not callable"."""
+  with pytest.raises(TypeError, match=rf"{name}: fn must be a callable \("
+                     r".*amp-ed.*\), got 3 \(int\)"):
+    getattr(mpolicy, name)(3)

@@ -458,3 +458,87 @@ def test_each_rules_test_file_is_named_for_its_family_and_each_family_has_one():
   untested = families - set(owner.values()) - set(_TESTED_ELSEWHERE)
   assert not untested, f"No tests/rules/test_<family>.py for {untested}."
   assert set(_OLDER_NAMES) <= tests  # The table names no stale file.
+
+
+# --- One engine ---------------------------------------------------------------
+
+# Modules that may loop over a jaxpr's equations and bind them, and why.
+EVALUATORS = {
+    "interpreter": "the interpreter: the one evaluator of jaxprs",
+    "rules.conv": ("replays a convolution's transpose or batching rule with "
+                   "its convolutions swapped, inside one op rule"),
+}
+
+
+def _loops_over_equations(tree: ast.AST):
+  """The ``for`` statements of ``tree`` over ``<something>.eqns`` (or an
+  ``enumerate`` of it), each with whether its body binds a primitive (a
+  call of something named ``bind``, ``bind_with`` or ``*.bind``)."""
+  for node in ast.walk(tree):
+    if isinstance(node, ast.For) and ".eqns" in ast.unparse(node.iter):
+      binds = any(
+          isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1]
+          in ("bind", "bind_with") for b in node.body for n in ast.walk(b))
+      yield node.lineno, binds
+
+
+def _equation_loops() -> dict[str, list[tuple[int, bool]]]:
+  found = {}
+  for path in sorted(_SRC.rglob("*.py")):
+    loops = list(_loops_over_equations(ast.parse(path.read_text())))
+    if loops:
+      found[_module_name(path, _SRC)] = loops
+  return found
+
+
+def test_one_evaluator_binds_jaxpr_equations():
+  """No module but the interpreter walks a jaxpr's equations binding them
+  (the debugger replays programs through `interpreter.replay`; explain,
+  the sites and fp8_stats watch the interpreter)."""
+  loops = _equation_loops()
+  binding = {m for m, found in loops.items() if any(b for _, b in found)}
+  assert binding <= set(EVALUATORS), (
+      "Only the interpreter evaluates jaxprs; these modules bind equations "
+      f"in a loop of their own: {sorted(binding - set(EVALUATORS))}")
+  # Every `for ... in ...eqns` loop is in a module allowed to have one.
+  assert set(loops) <= set(EVALUATORS), sorted(set(loops) - set(EVALUATORS))
+  assert "rules.conv" in binding and "interpreter" in loops  # It finds them.
+
+
+def test_the_check_finds_a_loop_that_binds(tmp_path):
+  tree = ast.parse("def run(jaxpr, env):\n"
+                   "  for eqn in jaxpr.eqns:\n"
+                   "    env[eqn] = eqn.primitive.bind(*env[eqn])\n"
+                   "  for n, e in enumerate(closed.jaxpr.eqns):\n"
+                   "    print(e)\n")
+  assert list(_loops_over_equations(tree)) == [(2, True), (4, False)]
+
+
+def test_one_observer_seam(graph):
+  """The interpreter and its rules tell observers through `observe` alone:
+  explain, the debugger's sites and its checker are observers, not hooks
+  of their own in the loop."""
+  assert "recording" not in graph and "debugging.walk" not in graph
+  for module in ("interpreter", "rules.dispatch"):
+    assert "observe" in graph[module].imports, module
+    assert not {"sites", "explain", "fp8_stats"} & set(
+        graph[module].imports), module
+  assert not any(m.startswith("debugging") for m in graph["interpreter"]
+                 .imports)
+  for observer in ("sites", "explain", "debugging.check"):
+    assert "observe" in graph[observer].imports, observer
+  # The debugger takes its higher-order rules from `higher_order`'s
+  # table, through the interpreter's step rules.
+  assert "higher_order" in graph["stepping"].imports
+  assert "stepping" in graph["interpreter"].imports
+
+
+def test_lower_modules_take_nothing_from_higher_ones(graph):
+  """The debugger and the interpreter layer import no training helper
+  (`path_str` lives in the low module `tree_paths`)."""
+  for start in sorted(m for m in graph
+                      if m.startswith("debugging") or _matches(m, INTERPRETER)):
+    chain = _chain(graph, start, lambda m: m.startswith("training"))
+    assert chain is None, f"{start} reaches training: {_describe(graph, chain)}"
+  assert "tree_paths" in graph["debugging.program"].imports
+  assert "tree_paths" in graph["training.attribution"].imports

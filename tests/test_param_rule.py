@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpolicy
-from mpolicy._src import recording
 
+from _helpers import recorded_rows
 from _helpers import walk_eqns
 
 F32 = jnp.dtype(jnp.float32)
@@ -64,7 +64,7 @@ def test_bias_add_and_relu_of_a_plain_mlp_run_in_half():
 
 def test_most_of_a_plain_mlp_runs_in_half():
   f = mpolicy.amp(_mlp, HALF)
-  with recording.recording() as rows:
+  with recorded_rows() as rows:
     jax.make_jaxpr(f)(*_mlp_args())
   # Only the broadcasts of the four float32 biases run in float32 (then
   # they are cast): everything else runs in bfloat16.

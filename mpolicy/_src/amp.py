@@ -25,7 +25,7 @@ from mpolicy._src import interpreter
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import policy as policy_lib
-from mpolicy._src import recording
+from mpolicy._src import observe
 from mpolicy._src import regions
 
 AMP_ATTRIBUTE = "__mpolicy_amp__"
@@ -228,7 +228,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   # (JAX then inserts the `pvary`s that mixing varying and replicated
   # values needs).
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
-  recording.count_run()
+  observe.count_run()
   env = interpreter.Env()
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,

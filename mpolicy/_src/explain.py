@@ -1,7 +1,7 @@
 """Inspection: which dtype each primitive ran in, and who decided.
 
-`explain` traces a function once with the interpreter's recording on and
-turns what the interpreter decided into a `Report`: one row per primitive,
+`explain` traces a function once, watching the interpreter (`observe`),
+and turns what the interpreter decided into a `Report`: one row per primitive,
 plus totals. It only reads decisions; it never changes them.
 
 A primitive run by a custom rule function (`OpRules.with_rule`) has the rule
@@ -18,7 +18,8 @@ from typing import Any, Callable
 import jax
 
 from mpolicy._src import amp as amp_lib
-from mpolicy._src import recording
+from mpolicy._src import arguments
+from mpolicy._src import observe
 from mpolicy._src import regions
 
 
@@ -31,8 +32,27 @@ _AS_WRITTEN = regions.Region(policy=None, decided_by=NOT_AMPED,
                              full_precision=True)
 
 
-Row = recording.Decision
-"""One primitive the interpreter ran: see `recording.Decision`."""
+Row = observe.Decision
+"""One primitive the interpreter ran: see `observe.Decision`."""
+
+
+class _Recorder(observe.Observer):
+  """Collects the decision of every first-order primitive the interpreter
+  runs, except in probes and lazily traced rules."""
+
+  def __init__(self):
+    self.rows: list[Row] = []
+
+  def after(self, eq: observe.Equation, invals, outs) -> None:
+    if eq.decision is not None and not eq.quiet:
+      self.rows.append(eq.decision)
+
+
+def _recorded(fn, args, kwargs) -> tuple[list[Row], bool]:
+  """The rows of tracing ``fn``, and whether the interpreter ran."""
+  with observe.watching(_Recorder()) as recorder:
+    _trace(fn, args, kwargs)
+    return recorder.rows, observe.interpreter_ran()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +200,16 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
 
   See also: `amp`, `transform_amp`, `explain_policy`.
   """
+  arguments.require_callable(
+      fn, "explain", "fn", "an amp-ed function or transform_amp's apply, "
+      "called as explain(fn, *args)")
   note = ""
-  with recording.recording() as rows:
-    _trace(fn, args, kwargs)
-    ran = recording.interpreter_ran()
+  rows, ran = _recorded(fn, args, kwargs)
   if not ran:
     # Recorded by the interpreter with every rule and hook off, so the
     # rows have the shape of any other report's.
     note = NOT_AMPED
-    with recording.recording() as rows:
-      _trace(amp_lib.amp(_as_written(fn)), args, kwargs)
+    rows, _ = _recorded(amp_lib.amp(_as_written(fn)), args, kwargs)
   return Report(rows=tuple(rows), note=note)
 
 

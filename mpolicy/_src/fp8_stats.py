@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from mpolicy._src import amp as amp_lib
+from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import tables
 from mpolicy._src.rules import fp8_probe
@@ -124,6 +125,9 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
 
   See also: `explain` (which dtype each op ran in), `amp`.
   """
+  arguments.require_callable(
+      fn, "fp8_stats", "fn", "an amp-ed function under a float8 policy, "
+      "called as fp8_stats(fn, *args)")
   static, arrays = amp_lib.split_arguments(args, kwargs)
   wrt = tuple(i for i, a in enumerate(arrays) if dtypes.float_value(a))
 

@@ -12,7 +12,9 @@ registry pattern, or `amp`'s own ``policy``), then hands it on:
 
 The environment (`Env`) holds the values and caches casts per (value,
 dtype), so a parameter used three times is cast once, and an up-cast
-remembers its half source so casting back is free.
+remembers its half source so casting back is free. Tools watch each
+equation through `observe`; `replay` runs a finished program as written,
+stepping through its constructs (`stepping`), for the debugger.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from mpolicy._src import dtypes
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
-from mpolicy._src import recording
+from mpolicy._src import observe
 from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src import rules
-from mpolicy._src import sites
 from mpolicy._src import staged
+from mpolicy._src import stepping
 from mpolicy._src import sub_computations
 from mpolicy._src import widen
 from mpolicy._src.rules import facts as facts_lib
@@ -187,8 +189,12 @@ class Config:
   # which sub-jaxprs hold no scope names of their own.
   trace_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   unnamed_cache: dict = dataclasses.field(default_factory=dict, compare=False)
+  # Set while a program is replayed as written (see `replay`).
+  step: Optional["Step"] = None
 
   def region(self, names: tuple[str, ...]) -> Optional[regions.Region]:
+    if self.step is not None:
+      return None  # Replayed as written: nothing governs.
     try:
       return self.region_cache[names]
     except KeyError:
@@ -304,7 +310,7 @@ class Scope:
     Nothing is shared while `explain` records (each site is a row) or the
     debugger tags sites (each is named).
     """
-    if (recording.active() and not config.quiet) or sites.active():
+    if observe.active():
       return None
     if not _unnamed(closed.jaxpr, config.unnamed_cache):
       return None
@@ -358,8 +364,29 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   """
   env = Env() if env is None else env
   base = jax_compat.current_name_stack()
+  _enter(env, jaxpr, consts, args, config)
+  step = config.step
+  reads = None if step is None else _forward_read(jaxpr, step)
+  dead = None if step is None else _dead_after(jaxpr)
+  for n, eqn in enumerate(jaxpr.eqns):
+    invals = [env.read(v) for v in eqn.invars]
+    names = prefix + jax_compat.eqn_scope_names(eqn)
+    with jax_compat.eqn_context_under(base, eqn):
+      outs = _observed(env, eqn, invals, names, config, reads)
+    for var, out in zip(eqn.outvars, outs):
+      if not isinstance(var, jax_compat.DropVar):
+        env.values[var] = out
+    for var in dead[n] if dead is not None else ():
+      env.values.pop(var, None)  # Read for the last time: its memory goes.
+  return [env.read(v) for v in jaxpr.outvars]
+
+
+def _enter(env: Env, jaxpr, consts, args, config: Config) -> None:
+  """Binds the jaxpr's constvars and invars; marks parameters, constants."""
   env.values.update(zip(jaxpr.constvars, consts))
   env.values.update(zip(jaxpr.invars, args))
+  if config.step is not None:
+    return  # Replayed as written: no rule reads the marks.
   for x in consts:
     env.mark_param(x)
   env.full_only = _read_only_by_full(jaxpr, config.rules)
@@ -370,35 +397,58 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   for var, value in zip(jaxpr.invars, env.arg_consts or ()):
     if value is not None:
       env.mark_const(env.values[var], value)
-  for eqn in jaxpr.eqns:
-    invals = [env.read(v) for v in eqn.invars]
-    names = prefix + jax_compat.eqn_scope_names(eqn)
-    with jax_compat.eqn_context_under(base, eqn):
-      rule = higher_order.rule_for(eqn.primitive)
-      if rule is not None:
-        with sites.site(eqn, names,
-                        config.region(names) if sites.active() else None,
-                        invals) as site:
-          outs = rule(Scope(config, env, names, invals, eqn), eqn,
-                      invals)
-          site.made(outs)
-      else:
-        region = config.region(names)
-        if region is None or not region.full_precision:
-          sub_computations.check(eqn, config.rules)
-        with sites.site(eqn, names, region, invals) as site:
-          if site.in_float32:  # An op-level float32 island (the debugger's).
-            outs = site.run_in_float32(eqn, invals, env.cast, lambda ins: (
-                rules.run(env, eqn, ins, config.rules,
-                          regions.FULL_PRECISION, names, quiet=config.quiet)))
-          else:
-            outs = rules.run(env, eqn, invals, config.rules, region, names,
-                             quiet=config.quiet)
-          site.made(outs)
-    for var, out in zip(eqn.outvars, outs):
-      if not isinstance(var, jax_compat.DropVar):
-        env.values[var] = out
-  return [env.read(v) for v in jaxpr.outvars]
+
+
+def _observed(env: Env, eqn, invals, names, config: Config, reads) -> list:
+  """Runs one equation, told to the observers (`observe`) if any watch."""
+  if not observe.active():
+    return _run(env, eqn, invals, names, config, None)
+  step = config.step
+  eq = observe.Equation(eqn, names, config.region(names), config.quiet)
+  if step is not None:
+    eq.iteration, eq.device, eq.traced = (step.iteration, step.device,
+                                          step.traced)
+    eq.transforms = step.transforms + jax_compat.eqn_transforms(eqn)
+    eq.outs_read = tuple(v in reads for v in eqn.outvars)
+    eq.feeds_forward = any(eq.outs_read) or bool(eqn.effects)  # A write.
+  observe.before(eq, invals)
+  outs = None
+  try:
+    outs = _run(env, eqn, invals, names, config, eq)
+  finally:
+    observe.after(eq, invals, outs)
+  return outs
+
+
+def _run(env: Env, eqn, invals, names, config: Config, eq) -> list:
+  """Runs one equation: a higher-order one by its rule in `higher_order`
+  (its step rule while replaying), any other by `rules.run`."""
+  rule = higher_order.rule_for(eqn.primitive)
+  if config.step is not None:
+    return _step(env, eqn, invals, names, config, eq, rule)
+  if rule is not None:
+    return rule(Scope(config, env, names, invals, eqn), eqn, invals)
+  region = config.region(names)
+  if region is None or not region.full_precision:
+    sub_computations.check(eqn, config.rules)
+  if eq is not None and observe.in_float32(eq):  # An op-level island.
+    return _in_float32(env, eqn, invals, lambda ins: rules.run(
+        env, eqn, ins, config.rules, regions.FULL_PRECISION, names,
+        quiet=config.quiet))
+  return rules.run(env, eqn, invals, config.rules, region, names,
+                   quiet=config.quiet)
+
+
+def _in_float32(env: Env, eqn, invals, run) -> list:
+  """Runs ``eqn`` in float32: half operands cast up, then ``run(operands)``
+  as written; a cast to a narrower float keeps its float32 operand."""
+  invals = [env.cast(x, np.float32) if dtypes.float_value(x)
+            and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
+  if (eqn.primitive is jax_compat.convert_element_type_p
+      and dtypes.is_half(jax_compat.cast_target(eqn)[0])
+      and dtypes.float_value(invals[0])):
+    return [invals[0]]
+  return run(invals)
 
 
 def _read_only_by_full(jaxpr, rules) -> set:
@@ -419,3 +469,126 @@ def _read_only_by_full(jaxpr, rules) -> set:
   return {v for v, only_full in readers.items() if only_full}
 
 
+# --- Replaying a program as written -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """Where a replayed jaxpr runs (see `replay`).
+
+  Attributes:
+    iteration: the loop iteration (``None``: outside loops).
+    device: the `shard_map` device (a traced index inside its body).
+    transforms: the transforms on the name stack above it.
+    traced: inside a body traced once for every device.
+    outs_read: per output, whether the forward pass reads it (``None``:
+      all of them, outside a backward pass).
+  """
+  iteration: Optional[int] = None
+  device: Any = None
+  transforms: tuple[str, ...] = ()
+  traced: bool = False
+  outs_read: Optional[tuple[bool, ...]] = None
+
+
+def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
+  """Runs ``closed`` as written, one equation at a time, eagerly.
+
+  No rule applies: each first-order equation is bound as it is (JAX
+  caches one executable per primitive and shape, so nothing the size of
+  the program is compiled) and a higher-order one is stepped through by
+  its step rule (`stepping`): loops iterate, a `cond` runs its branch.
+  Observers (`observe`) see every equation with concrete values, its loop
+  iteration and its device. The debugger checks programs so.
+  """
+  config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, step=Step())
+  return eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), config,
+                    ())
+
+
+def _step(env: Env, eqn, invals, names, config: Config, eq, rule) -> list:
+  """Runs ``eqn`` of a replayed program: by its step rule, else as one."""
+  step_rule = (None if rule is None else
+               stepping.rule_for(eqn.primitive, config.step.traced))
+  if step_rule is not None:
+    reads = None if eq is None else eq.outs_read
+    outs = step_rule(Stepper(config, names, eqn, eq, reads), eqn, invals)
+    if outs is not None:
+      if eq is not None:
+        eq.stepped = True
+      return list(outs)
+  out = jax_compat.bind(eqn.primitive, invals, eqn.params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class Stepper:
+  """What a step rule needs: running a body, reporting moved values."""
+
+  def __init__(self, config: Config, names, eqn, eq, outs_read):
+    self._config, self._names, self._eq = config, names, eq
+    self.eqn = eqn
+    self.outs_read = list(outs_read or [True] * len(eqn.outvars))
+
+  def run(self, sub, args, *, iteration=None, traced=False,
+          outs_read=None) -> list:
+    """Replays ``sub`` (an open or closed jaxpr) on ``args``."""
+    jaxpr, consts = ((sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts")
+                     else (sub, []))
+    step = self._config.step
+    inner = dataclasses.replace(
+        step, transforms=step.transforms + jax_compat.eqn_transforms(
+            self.eqn),
+        iteration=step.iteration if iteration is None else iteration,
+        traced=step.traced or traced,
+        outs_read=tuple(self.outs_read if outs_read is None else outs_read))
+    return eval_jaxpr(jaxpr, consts, list(args),
+                      dataclasses.replace(self._config, step=inner),
+                      self._names)
+
+  def moved(self, source, value) -> None:
+    if self._eq is not None:
+      observe.moved(self._eq, source, value)
+
+  def per_device(self, index):
+    """A block around the tracing of a `shard_map` body (device ``index``,
+    traced); ``as`` gives a function returning the array the observers
+    carry out of it, one row per device once the body has run."""
+    self._config = dataclasses.replace(
+        self._config, step=dataclasses.replace(self._config.step,
+                                               device=index))
+    return observe.per_device(self._eq)
+
+  def devices_ran(self, carried, outs) -> None:
+    observe.devices_ran(self._eq, carried, outs)
+
+
+def _forward_read(jaxpr, step: Step) -> set:
+  """The variables of ``jaxpr`` that equations outside the backward pass
+  read; its outputs count where ``step.outs_read`` says the enclosing
+  equation's results are so read."""
+  outs_read = step.outs_read
+  if outs_read is None:
+    outs_read = ["transpose" not in step.transforms] * len(jaxpr.outvars)
+  found = {v for v, read in zip(jaxpr.outvars, outs_read)
+           if read and not isinstance(v, jax_compat.Literal)}
+  for eqn in jaxpr.eqns:
+    if "transpose" not in step.transforms + jax_compat.eqn_transforms(eqn):
+      found.update(v for v in eqn.invars
+                   if not isinstance(v, jax_compat.Literal))
+  return found
+
+
+def _dead_after(jaxpr) -> list[list]:
+  """Per equation of ``jaxpr``, the variables no later equation (and no
+  output) reads: a replay drops them once it has run that equation."""
+  last = {}
+  for n, eqn in enumerate(jaxpr.eqns):
+    for var in (*eqn.invars, *eqn.outvars):
+      if not isinstance(var, (jax_compat.Literal, jax_compat.DropVar)):
+        last[var] = n
+  for var in jaxpr.outvars:
+    last.pop(var, None)
+  found = [[] for _ in jaxpr.eqns]
+  for var, n in last.items():
+    found[n].append(var)
+  return found

@@ -1,8 +1,8 @@
 """Sites: each first-order equation named, while the precision debugger traces.
 
-While a `tagging()` block is open on this thread, the interpreter traces
-every first-order equation of the code it runs under a scope named for a
-new `Site` (``mpolicy:op-<index>``): the equation's primitive, its scope
+While a `tagging()` block is open on this thread, an observer of the
+interpreter (`observe`) traces every equation of the code it runs under a
+scope named for a new `Site` (``mpolicy:op-<index>``): the equation's primitive, its scope
 names, the region that governs it, where it was written, and the dtype it
 ran in. JAX keeps the scope on every equation made from it: the casts and
 amp primitives its rule binds, and, under `jax.grad`, its derivative's
@@ -26,20 +26,18 @@ in another block, is traced again rather than reused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import itertools
 import os
 import sys
-import threading
 from typing import Any, Optional
 
 import jax
-import numpy as np
 
-from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
+from mpolicy._src import observe
 from mpolicy._src import regions
 
 PREFIX = regions.MARKER_PREFIX + "op-"
@@ -95,14 +93,38 @@ class _Every:
 EVERY = _Every()
 
 
-class _State(threading.local):
-  sites: Optional[list[Site]] = None
-  in_float32: frozenset = frozenset()
-  open: Optional[list[int]] = None
-  made_by: Optional[dict[int, tuple[int, Any]]] = None  # id(value) -> site.
+class _Tagger(observe.Observer):
+  """Names every first-order and higher-order equation it is told of."""
+
+  def __init__(self, found: list[Site], in_float32):
+    self.found, self._in_float32 = found, in_float32
+    self._open: list[tuple[int, Any]] = []
+    self._made_by: dict[int, tuple[int, Any]] = {}  # id(value) -> site.
+
+  def before(self, eq: observe.Equation, invals) -> None:
+    index = len(self.found)
+    producers = tuple(self._made_by.get(id(x), (None,))[0] for x in invals)
+    eqn = eq.eqn
+    self.found.append(Site(
+        eq.primitive, eq.names, eq.region,
+        jax_compat.user_location(eqn, _library_dirs()), producers=producers,
+        higher_order=bool(jax_compat.jaxprs_in_params(eqn.params))))
+    scope = jax.named_scope(f"{PREFIX}{index}")
+    scope.__enter__()
+    self._open.append((index, scope))
+
+  def after(self, eq: observe.Equation, invals, outs) -> None:
+    index, scope = self._open.pop()
+    scope.__exit__(None, None, None)
+    if eq.decision is not None:
+      self.found[index].ran_in = eq.decision.ran_in
+    for x in outs or ():
+      self._made_by[id(x)] = (index, x)
+
+  def in_float32(self, eq: observe.Equation) -> bool:
+    return bool(self._open) and self._open[-1][0] in self._in_float32
 
 
-_state = _State()
 _KEY = jax.make_user_context(default_value=None)  # Part of jit's cache key.
 _blocks = itertools.count()
 
@@ -118,99 +140,11 @@ def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
   Yields:
     The list the block's `Site`s are appended to, in trace order.
   """
-  prev = (_state.sites, _state.in_float32, _state.open, _state.made_by)
   found: list[Site] = []
-  _state.sites, _state.in_float32, _state.open, _state.made_by = (
-      found, in_float32 if in_float32 is EVERY else frozenset(in_float32),
-      [], {})
-  try:
-    with _KEY(next(_blocks)):
-      yield found
-  finally:
-    _state.sites, _state.in_float32, _state.open, _state.made_by = prev
-
-
-def active() -> bool:
-  """Whether a `tagging()` block is open on this thread."""
-  return _state.sites is not None
-
-
-class _Untagged:
-  """What `site` returns outside a block: nothing to do."""
-  in_float32 = False
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-  def made(self, outs) -> None:
-    del outs
-
-
-_UNTAGGED = _Untagged()
-
-
-class _Tag:
-  """One site being traced (see `site`)."""
-
-  def __init__(self, index: int):
-    self.index = index
-    self.in_float32 = index in _state.in_float32
-    self._scope = jax.named_scope(f"{PREFIX}{index}")
-
-  def __enter__(self):
-    _state.open.append(self.index)
-    self._scope.__enter__()
-    return self
-
-  def __exit__(self, *exc):
-    _state.open.pop()
-    return self._scope.__exit__(*exc)
-
-  def made(self, outs) -> None:
-    """Records that the site made ``outs`` (its results)."""
-    for x in outs:
-      _state.made_by[id(x)] = (self.index, x)
-
-  def run_in_float32(self, eqn, invals, cast: Callable, run: Callable):
-    """Runs the site in float32: half operands cast up by ``cast``, then
-    ``run(operands)`` as written; a cast to a narrower float keeps its
-    float32 operand instead."""
-    invals = [cast(x, np.float32) if dtypes.float_value(x)
-              and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
-    if (eqn.primitive is jax_compat.convert_element_type_p
-        and dtypes.is_half(jax_compat.cast_target(eqn)[0])
-        and dtypes.float_value(invals[0])):
-      return [invals[0]]
-    return run(invals)
-
-
-def site(eqn, names: tuple[str, ...], region: Optional[regions.Region],
-         invals=()):
-  """A context manager around the tracing of one equation's rule: inside a
-  `tagging()` block, the body is traced under a scope naming a new `Site`.
-
-  A higher-order equation is a site too: what its rule traces inside is
-  named by its own sites, and what JAX derives from it directly (a
-  `custom_vjp`'s backward rule) by the equation's.
-
-  Returns:
-    The context manager; ``as`` gives an object with ``in_float32`` (run
-    the site with `run_in_float32`), and ``made(outs)`` to call with its
-    results.
-  """
-  if _state.sites is None:
-    return _UNTAGGED
-  index = len(_state.sites)
-  producers = tuple(_state.made_by.get(id(x), (None,))[0] for x in invals)
-  _state.sites.append(Site(eqn.primitive.name, names, region,
-                           jax_compat.user_location(eqn, _library_dirs()),
-                           producers=producers,
-                           higher_order=bool(jax_compat.jaxprs_in_params(
-                               eqn.params))))
-  return _Tag(index)
+  tagger = _Tagger(found, in_float32 if in_float32 is EVERY
+                   else frozenset(in_float32))
+  with observe.watching(tagger), _KEY(next(_blocks)):
+    yield found
 
 
 # Libraries whose frames are not the user's code: a Haiku layer's matmul is
@@ -226,12 +160,6 @@ def _library_dirs() -> tuple[str, ...]:
     if path:
       dirs.append(os.path.dirname(path) + os.sep)
   return tuple(dirs)
-
-
-def note_ran_in(ran_in: str) -> None:
-  """Records the dtype the innermost open site ran in (no-op outside one)."""
-  if _state.sites is not None and _state.open:
-    _state.sites[_state.open[-1]].ran_in = ran_in
 
 
 def site_of(names: tuple[str, ...]) -> Optional[int]:

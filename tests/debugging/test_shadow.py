@@ -179,3 +179,40 @@ def test_a_run_drops_each_value_after_its_last_read():
                         observer=Count)
   assert np.isfinite(float(run.outs[0]))
   assert len(seen) >= 80 and max(seen) <= 4, seen
+
+
+def _underflowing():
+  """A float16 model whose unscaled gradients underflow: the loss is
+  1e-4 of a mean, so the cotangents reaching the matmul are ~1e-8."""
+
+  def loss(w, x):
+    with jax.named_scope("layer"):
+      h = jnp.tanh(x @ w)
+    with jax.named_scope("head"):
+      return jnp.mean(h) * 1e-4
+
+  w = jnp.asarray(np.random.RandomState(0).normal(size=(16, 16)) * 0.3,
+                  jnp.float32)
+  x = jnp.asarray(np.random.RandomState(1).normal(size=(64, 16)),
+                  jnp.float32)
+  return mpolicy.amp(loss, "p=f32,c=f16,o=f32"), w, x
+
+
+def test_gradients_are_judged_on_the_loss_scaled_ones_a_step_computes():
+  f, w, x = _underflowing()
+  unscaled = mpolicy.compare_to_float32(f, w, x)
+  scaled = mpolicy.compare_to_float32(f, w, x, loss_scale=2.0 ** 15)
+  static = mpolicy.compare_to_float32(
+      f, w, x, loss_scale=mpolicy.StaticLossScale(2.0 ** 15))
+  assert unscaled.grad_rel_error > 0.2  # Underflowed in float16.
+  assert scaled.grad_rel_error < 0.005  # Divided back: the true gradient.
+  assert static.grad_rel_error == pytest.approx(scaled.grad_rel_error)
+  # The loss itself is the loss, not the loss times the scale.
+  assert scaled.loss == pytest.approx(unscaled.loss)
+  assert abs(scaled.loss_float32) < 1.0
+
+
+def test_compare_refuses_a_loss_scale_it_cannot_use():
+  f, w, x = _underflowing()
+  with pytest.raises(TypeError, match="compare_to_float32: loss_scale must be"):
+    mpolicy.compare_to_float32(f, w, x, loss_scale="big")

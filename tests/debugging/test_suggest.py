@@ -163,6 +163,70 @@ def test_matmul_flops_are_counted_by_the_module_path_that_ran_them():
   f = mpolicy.amp(loss, "p=f32,c=bf16,o=f32")
   call = program.Call(f, (jnp.ones((4, 4)), jnp.ones((3, 4))), "test")
   run = program.run(call, call.program(True))
-  assert flops.by_module(run.jaxpr.jaxpr, run.sites) == {"big": 192,
+  assert flops.by_module(run.checker.flops, run.sites) == {"big": 192,
                                                          "small": 144}
-  assert flops.by_dtype(run.jaxpr.jaxpr) == {"bfloat16": 336}
+  assert flops.by_dtype(run.checker.flops) == {"bfloat16": 336}
+
+
+def test_a_loop_body_counts_its_matmul_flops_once_per_iteration_it_ran():
+  from mpolicy._src.debugging import flops  # pylint: disable=g-import-not-at-top
+  from mpolicy._src.debugging import program  # pylint: disable=g-import-not-at-top
+
+  def loss(w, x):
+    def body(i, c):
+      with jax.named_scope("layer"):
+        return c @ w  # 3x4 @ 4x4: 96 FLOPs an iteration.
+    return jnp.sum(jax.lax.fori_loop(0, x.shape[0] + 2, body, x))
+
+  f = mpolicy.amp(loss, "p=f32,c=bf16,o=f32")
+  call = program.Call(f, (jnp.ones((4, 4)), jnp.ones((3, 4))), "test")
+  run = program.run(call, call.program(False))
+  assert flops.by_module(run.checker.flops, run.sites) == {"layer": 5 * 96}
+
+
+def test_a_float16_model_is_judged_on_its_loss_scaled_gradients():
+  """Unscaled, the gradients underflow float16 and an island is proposed;
+  with the training step's loss scale none is needed."""
+  from test_shadow import _underflowing  # pylint: disable=g-import-not-at-top
+  f, w, x = _underflowing()
+  plain = mpolicy.suggest_policy(f, w, x, policy=HALF16)
+  scaled = mpolicy.suggest_policy(f, w, x, policy=HALF16,
+                                  loss_scale=2.0 ** 15)
+  assert plain.before.grad_error > 0.2 and plain.float32_paths
+  assert scaled.before.grad_error < 0.005
+  assert scaled.float32_paths == () and scaled.ok
+
+
+def test_a_flax_root_island_keeps_its_children_in_the_policy():
+  """A Flax root module is named by its class ("Model") while its
+  children keep Flax's names ("Dense_0"): as an island, its own ops run
+  in float32 and its children keep the policy, so the matmul FLOPs in
+  half and the share the suggestion states agree with what ran."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from mpolicy._src import registry  # pylint: disable=g-import-not-at-top
+  from mpolicy._src.debugging import program as program_lib  # pylint: disable=g-import-not-at-top
+  from mpolicy._src.debugging import suggest as suggest_lib  # pylint: disable=g-import-not-at-top
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return jnp.mean(nn.Dense(8)(nn.Dense(8)(x)))
+
+  model, x = Model(), jnp.ones((2, 4))
+  params = model.init(jax.random.PRNGKey(0), x)
+  f = mpolicy.amp(model.apply)
+  half = mpolicy.get_policy(HALF16)
+  with registry.push_policy(nn.Module, HALF16):
+    search = suggest_lib._Search(  # pylint: disable=protected-access
+        program_lib.Call(f, (params, x), "test"), half,
+        mpolicy.get_policy("full"), suggest_lib._roots(), 8)  # pylint: disable=protected-access
+    search.float32()
+    before, _ = search.measure(())
+    assert search.kept(("Model",)) == ("Dense_0", "Dense_1")
+    island, run = search.measure(("Model",))
+  assert before.half_flops == 1.0
+  assert island.half_flops == 1.0  # The children still multiply in half.
+  from mpolicy._src.debugging import flops  # pylint: disable=g-import-not-at-top
+  own = flops.by_module(run.checker.flops, run.sites)
+  assert own.get("Model", 0) == 0 and own["Dense_0"] and own["Dense_1"]

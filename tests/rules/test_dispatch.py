@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import mpolicy
+from _helpers import recorded_rows
 from mpolicy._src import interpreter
-from mpolicy._src import recording
+from mpolicy._src import observe
 from mpolicy._src import regions
 from mpolicy._src.rules import dispatch
 from mpolicy._src.rules import fp8_placement
@@ -42,8 +43,11 @@ def _run_exp(table, region=F16):
   """``exp`` of a float16 array run by `dispatch.run`: (output, row)."""
   x = jnp.linspace(0, 1, 4, dtype=jnp.float16)
   (eqn,) = jax.make_jaxpr(jnp.exp)(x).jaxpr.eqns
-  with recording.recording() as rows:
+  eq = observe.Equation(eqn, ())
+  with recorded_rows() as rows:
+    observe.before(eq, [x])
     (out,) = dispatch.run(interpreter.Env(), eqn, [x], table, region, ())
+    observe.after(eq, [x], [out])
   (row,) = rows
   return out, row
 

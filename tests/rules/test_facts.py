@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import mpolicy
+from _helpers import recorded_rows
 from mpolicy._src import jax_compat
-from mpolicy._src import recording
 from mpolicy._src import sub_computations
 from mpolicy._src.jax_compat import linearize as linearize_lib
 from mpolicy._src.rules import base
@@ -35,7 +35,7 @@ def _patched_facts(monkeypatch):
 
 
 def _row(fn, primitive, *args):
-  with recording.recording() as rows:
+  with recorded_rows() as rows:
     jax.make_jaxpr(mpolicy.amp(fn, HALF))(*args)
   (row,) = [r for r in rows if r.primitive == primitive]
   return row

@@ -14,12 +14,12 @@ import mpolicy
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules
-from mpolicy._src import recording
 from mpolicy._src import rules as rules_pkg
 from mpolicy._src.jax_compat import internals as jax_internals
 from mpolicy._src.rules import base
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import facts
+from _helpers import recorded_rows
 from _helpers import all_eqns, walk_eqns
 
 HALF = "p=f32,c=bf16,o=f32"
@@ -101,7 +101,7 @@ def test_adding_an_elementwise_float32_op_is_one_line():
 
 
 def _rows(fn, *args):
-  with recording.recording() as rows:
+  with recorded_rows() as rows:
     jax.make_jaxpr(fn)(*args)
   return rows
 

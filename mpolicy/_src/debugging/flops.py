@@ -1,65 +1,49 @@
-"""Where a program's matmul FLOPs run: how many multiply in each dtype.
+"""Where a run's matmul FLOPs went: how many multiply in each dtype.
 
->>> import jax, jax.numpy as jnp
->>> closed = jax.make_jaxpr(lambda a, b: a @ b.astype(jnp.bfloat16))(
-...     jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4)))
->>> by_dtype(closed.jaxpr)
-{'bfloat16': 48}
->>> half_fraction(closed.jaxpr)
-1.0
+Counted as the interpreter replays the program (`check.Checker.flops`):
+each matmul equation run adds its FLOPs (2 per multiply-add), so a loop
+body counts once per iteration it ran, and each count knows the op of the
+user's code it comes from (its `sites.Site`).
+
+>>> import collections
+>>> counts = collections.Counter({(0, "bfloat16"): 48, (1, "float32"): 16})
+>>> by_dtype(counts)
+{'bfloat16': 48, 'float32': 16}
+>>> half_fraction(counts)
+0.75
 """
 
 from __future__ import annotations
 
 import collections
 
-import numpy as np
-
 from mpolicy._src import dtypes
-from mpolicy._src import jax_compat
-from mpolicy._src import sites as sites_lib
 
 
-def _matmuls(jaxpr, times: int = 1, names: tuple[str, ...] = ()):
-  """``(flops, dtype, scope names)`` of every matmul; a `scan` body counts
-  once per iteration, other bodies once."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    inside = names + jax_compat.eqn_scope_names(eqn)
-    found = jax_compat.matmul_flops(eqn)
-    if found is not None:
-      yield found[0] * times, np.dtype(found[1]).name, inside
-    repeat = (jax_compat.scan_layout(eqn.params)[2]
-              if eqn.primitive is jax_compat.scan_p else 1)
-    for sub in jax_compat.jaxprs_in_params(eqn.params):
-      yield from _matmuls(sub, times * repeat, inside)
-
-
-def by_dtype(jaxpr) -> dict[str, int]:
-  """Matmul FLOPs (2 per multiply-add) by the dtype they multiply in; a
-  `scan` body counts once per iteration, other bodies once."""
+def by_dtype(counts) -> dict[str, int]:
+  """Matmul FLOPs by the dtype they multiply in (``counts``: a checker's
+  `flops`)."""
   into = collections.Counter()
-  for n, dtype, _ in _matmuls(jaxpr):
+  for (_, dtype), n in counts.items():
     into[dtype] += n
   return dict(into)
 
 
-def by_module(jaxpr, found: list) -> dict[str, int]:
+def by_module(counts, found: list) -> dict[str, int]:
   """Matmul FLOPs by the module whose own op made them (forward and
-  backward), for a program traced with every op named (``found``: the
-  `sites.tagging` list); ``""``: outside any module."""
+  backward): ``found`` is the `sites.tagging` list the program was traced
+  with; ``""``: outside any module."""
   into = collections.Counter()
-  for n, _, names in _matmuls(jaxpr):
-    index = sites_lib.site_of(names)
+  for (index, _), n in counts.items():
     into[found[index].path if index is not None else ""] += n
   return dict(into)
 
 
-def half_fraction(jaxpr) -> float:
+def half_fraction(counts) -> float:
   """The fraction of matmul FLOPs that multiply in a dtype narrower than
   float32 (NaN without matmuls)."""
-  counts = by_dtype(jaxpr)
-  total = sum(counts.values())
+  found = by_dtype(counts)
+  total = sum(found.values())
   if not total:
     return float("nan")
-  return sum(n for d, n in counts.items() if dtypes.is_half(d)) / total
+  return sum(n for d, n in found.items() if dtypes.is_half(d)) / total

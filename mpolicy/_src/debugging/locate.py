@@ -2,8 +2,8 @@
 
 The computation (the loss, and with ``grad`` its loss-scaled gradients) is
 traced with the interpreter naming every op of the user's code (`sites`),
-then re-run once, compiled, by the checked walker (`walk`), which carries
-the origin of every non-finite value. The earliest origin of a non-finite
+then replayed op by op by the interpreter under a checker (`check`),
+which carries the origin of every non-finite value. The earliest origin of a non-finite
 loss (else of a non-finite gradient) is the answer: the op it comes from,
 the module that op runs in and the dtype it ran in, where the user wrote
 it, the loop iteration and the device. Last, the computation runs again
@@ -21,11 +21,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from mpolicy._src import interpreter
 from mpolicy._src import jax_compat
 from mpolicy._src import registry
 from mpolicy._src import sites
 from mpolicy._src.debugging import program as program_lib
-from mpolicy._src.debugging import walk
+from mpolicy._src.debugging import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +144,7 @@ def _finite_with(program: Callable[..., list], arrays, path: str,
     else:
       stack.enter_context(sites.tagging(in_float32={site}))
     closed = jax.make_jaxpr(program)(*arrays)
-  return program_lib.all_finite(jax_compat.eval_eagerly(closed, *arrays))
+  return program_lib.all_finite(interpreter.replay(closed, arrays))
 
 
 def _cotangent_of(found: list, index: int) -> int:
@@ -234,12 +235,12 @@ def first_nonfinite(call: program_lib.Call, run: program_lib.Run, grad: bool,
   """
   scale = (None if loss_scale is None
            else float(np.asarray(loss_scale.loss_scale)))
-  outs, walker = run.outs, run.walker
+  outs, checker = run.outs, run.checker
   bad = [i for i, o in enumerate(outs) if not program_lib.all_finite([o])]
   if not bad:
     return None
   names = call.output_names(grad)
-  found_origins = walk.origins(walker, run.out_ids)
+  found_origins = check.origins(checker, run.out_ids)
   chosen = [found_origins[i] for i in ([0] if 0 in bad else bad)
             if found_origins[i] is not None]
   outputs = tuple(names[i] for i in bad)
@@ -247,7 +248,7 @@ def first_nonfinite(call: program_lib.Call, run: program_lib.Run, grad: bool,
     return NonFiniteReport("unknown", "", "forward", "", "", None, None,
                            False, outputs=outputs), None
   entry = min(chosen, key=lambda o: o.order).entry
-  event = walker.events[entry.event]
+  event = checker.events[entry.event]
   if event.primitive == "input":
     x = call.arrays[call.paths.index(event.where)]
     return NonFiniteReport("input", event.where, "forward",

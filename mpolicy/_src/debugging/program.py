@@ -19,10 +19,12 @@ import numpy as np
 
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import dtypes
+from mpolicy._src import interpreter
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src import observe
 from mpolicy._src import sites
-from mpolicy._src.debugging import walk
-from mpolicy._src.training import attribution
+from mpolicy._src import tree_paths
+from mpolicy._src.debugging import check
 
 _SCALES = (loss_scale_lib.NoOpLossScale, loss_scale_lib.StaticLossScale,
            loss_scale_lib.DynamicLossScale)
@@ -61,7 +63,7 @@ class Call:
     self.fn, self.who = fn, who
     self.static, self.arrays = amp_lib.split_arguments(args, {})
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
-    self.paths = [attribution.path_str(p) for p, x in leaves if _traced(x)]
+    self.paths = [tree_paths.path_str(p) for p, x in leaves if _traced(x)]
     n_first = len(amp_lib.split_arguments((args[0],), {})[1])
     self.wrt = [i for i in range(n_first) if dtypes.float_value(self.arrays[i])]
 
@@ -77,9 +79,13 @@ class Call:
           f"lambda p, x: loss_fn(p, x)[0] for a (loss, aux) pair.")
     return out
 
-  def program(self, grad: bool, loss_scale: Any = None
-              ) -> Callable[..., list]:
-    """``arrays -> [loss, *gradients]`` (just ``[loss]`` without ``grad``)."""
+  def program(self, grad: bool, loss_scale: Any = None,
+              unscale: bool = False) -> Callable[..., list]:
+    """``arrays -> [loss, *gradients]`` (just ``[loss]`` without ``grad``).
+
+    The gradients are those of the loss times ``loss_scale``'s scale (if
+    one is given), as a training step's backward pass computes them; with
+    ``unscale``, divided by it after, as the step applies them."""
     if not grad:
       return lambda *arrays: [self.value(*arrays)]
 
@@ -93,6 +99,8 @@ class Call:
 
       (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(
           [arrays[i] for i in self.wrt])
+      if unscale and loss_scale is not None:
+        grads = loss_scale.unscale(grads)
       return [loss, *grads]
 
     return program
@@ -115,15 +123,15 @@ class Run:
 
   Attributes:
     outs: the program's results.
-    out_ids: their value ids in the walker's log.
-    walker: the walker, with its log and checks.
+    out_ids: their value ids in the checker's log.
+    checker: the `check.Checker` that watched it, with its log and checks.
     sites: the ops of the user's code, as the trace named them.
     jaxpr: the program as traced.
-    observer: the walker's observer, if one was asked for.
+    observer: the checker's watcher, if one was asked for.
   """
   outs: list
   out_ids: list
-  walker: walk.Walker
+  checker: check.Checker
   sites: list
   jaxpr: Any
   observer: Any = None
@@ -132,27 +140,29 @@ class Run:
 def run(call: Call, program: Callable[..., list], *, in_float32=frozenset(),
         checking: bool = True, observer=None) -> Run:
   """Traces ``program`` with every op of ``call``'s function named
-  (`sites.tagging`, ``in_float32`` as there) and runs it op by op.
+  (`sites.tagging`, ``in_float32`` as there), and replays it op by op
+  (`interpreter.replay`) under a `check.Checker`.
 
   Args:
     call: the function and its arguments.
     program: a function of ``call.arrays`` (see `Call.program`).
     in_float32: the sites to run in float32, or `sites.EVERY`.
     checking: whether every result is checked for non-finite values.
-    observer: a class; ``observer(events, sites)`` observes the walker and
+    observer: a class; ``observer(events, sites)`` watches the checker and
       is told the program's results at the end (``finish(out_ids)``).
   """
   with sites.tagging(in_float32=in_float32) as found:
     closed = jax.make_jaxpr(program)(*call.arrays)
-  walker = walk.Walker(checking=checking)
-  watching = observer(walker.events, found) if observer is not None else None
-  walker.observer = watching
-  in_ids = walker.inputs(call.arrays, call.paths)
-  outs, out_ids = walker.run(closed.jaxpr, closed.consts, list(call.arrays),
-                             in_ids)
+  checker = check.Checker(checking=checking)
+  watching = observer(checker.events, found) if observer is not None else None
+  checker.watcher = watching
+  checker.inputs(call.arrays, call.paths)
+  with observe.watching(checker):
+    outs = interpreter.replay(closed, call.arrays)
+  out_ids = [checker.vid(o) for o in outs]
   if watching is not None:
     watching.finish(out_ids)
-  return Run(outs, out_ids, walker, found, closed, watching)
+  return Run(outs, out_ids, checker, found, closed, watching)
 
 
 def _traced(leaf) -> bool:

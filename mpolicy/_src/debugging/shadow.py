@@ -1,7 +1,7 @@
 """`compare_to_float32`: each module's error against its float32 shadow.
 
 The computation (the loss, and with ``grad`` its gradients) runs twice, op
-by op (`walk`): as given, and as its float32 shadow, traced with every
+by op (`interpreter.replay`, watched by `check`): as given, and as its float32 shadow, traced with every
 registry entry ``full`` and every op in float32 (`sites.tagging` with
 every site in float32: half operands widened, narrowing casts kept wide),
 which covers an `amp` policy too.
@@ -18,7 +18,7 @@ of ``want``, so that ``rel_error**2 == bias**2 + noise**2``. A module's
 parameters' gradients are compared the same way, as one vector. Of a value
 with more than `SAMPLE` elements a fixed random `SAMPLE` are kept and
 compared (gradients whole): a run holds a bounded sample of every value it
-made, and the walker drops each value after its last read.
+made, and the replay drops each value after its last read.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from mpolicy._src import registry
 from mpolicy._src import sites
 from mpolicy._src import tables
 from mpolicy._src.debugging import program as program_lib
-from mpolicy._src.debugging import walk
+from mpolicy._src.rules import facts
+from mpolicy._src.debugging import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,14 +241,15 @@ def _unit_outputs_leave(consumer: Optional[tuple], producer: tuple) -> bool:
   return not (other == path or other.startswith(path + "/"))
 
 
-# Casts and what only moves values: outside modules they pass values on.
+# Casts, what only moves values and what puts them into references:
+# outside modules they pass values on.
 _PASSING = frozenset({"convert_element_type", "reduce_precision"}) | (
-    walk.MOVERS)
+    frozenset(facts.names_with("moves") + facts.names_with("fills_ref")))
 
 
 class Outputs:
-  """Collects what each unit hands out, and reads, while a walker runs
-  (its observer): in the forward pass, values; in the backward pass,
+  """Collects what each unit hands out, and reads, while a checker watches
+  a replay (its watcher): in the forward pass, values; in the backward pass,
   cotangents (and the gradients it hands back).
 
   Attributes:
@@ -306,13 +308,13 @@ class Outputs:
     for vid in in_ids:
       self._read(vid, unit, direction)
     for vid, x in zip(out_ids, outs):
-      if vid != walk.FINITE:
+      if vid != check.FINITE:
         self._made[vid] = (direction, unit, sample(x),
                            np.dtype(x.dtype).name)
 
   def passed(self, in_ids, out_id, value) -> None:
     source = next((self._made[i] for i in in_ids if i in self._made), None)
-    if source is not None and out_id != walk.FINITE:
+    if source is not None and out_id != check.FINITE:
       self._made[out_id] = (source[0], source[1], sample(value), source[3])
 
   def finish(self, out_ids) -> None:
@@ -371,10 +373,13 @@ def _take(x, indices):
   return x.reshape(-1)[indices]
 
 
-def float32_run(call: program_lib.Call, grad: bool) -> program_lib.Run:
-  """The float32 shadow's run (its `Outputs` observed)."""
+def float32_run(call: program_lib.Call, grad: bool,
+                loss_scale: Any = None) -> program_lib.Run:
+  """The float32 shadow's run (its `Outputs` observed), its gradients
+  those of the loss times ``loss_scale``'s scale, divided after."""
   with registry.push_everywhere("full"):
-    return program_lib.run(call, call.program(grad), in_float32=sites.EVERY,
+    return program_lib.run(call, call.program(grad, loss_scale, True),
+                           in_float32=sites.EVERY,
                            checking=False, observer=Outputs)
 
 
@@ -391,8 +396,8 @@ def _module_of(param: str, modules: set) -> Optional[str]:
   return None
 
 
-def compare_to_float32(fn: Callable[..., Any], *args,
-                       grad: bool = True) -> ShadowReport:
+def compare_to_float32(fn: Callable[..., Any], *args, grad: bool = True,
+                       loss_scale: Any = None) -> ShadowReport:
   """Compares each module's outputs (and its parameters' gradients) with
   a float32 shadow of the same computation.
 
@@ -427,16 +432,21 @@ def compare_to_float32(fn: Callable[..., Any], *args,
     fn: the loss function, as you call it.
     *args: its arguments (gradients are taken with respect to the first).
     grad: also compare the parameters' gradients.
+    loss_scale: ``None``, a number or an mpolicy loss scale: the backward
+      pass starts from the loss times its scale and the gradients are
+      divided by it after, as a training step computes them (a float16
+      model's unscaled gradients may underflow where its step's do not).
 
   Returns:
     A `ShadowReport`.
 
   See also: `locate_nonfinite`, `suggest_policy`, `explain`.
   """
+  loss_scale = program_lib.check_loss_scale(loss_scale, "compare_to_float32")
   call = program_lib.Call(fn, args, "compare_to_float32")
-  got = program_lib.run(call, call.program(grad), checking=False,
-                        observer=Outputs)
-  return report_of(call, got, float32_run(call, grad), grad)
+  got = program_lib.run(call, call.program(grad, loss_scale, True),
+                        checking=False, observer=Outputs)
+  return report_of(call, got, float32_run(call, grad, loss_scale), grad)
 
 
 def report_of(call: program_lib.Call, got: program_lib.Run,

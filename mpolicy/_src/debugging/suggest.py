@@ -37,6 +37,7 @@ import numpy as np
 
 from mpolicy._src import dtypes
 from mpolicy._src import policy as policy_lib
+from mpolicy._src import regions
 from mpolicy._src import registry
 from mpolicy._src.debugging import flops
 from mpolicy._src.debugging import locate
@@ -104,12 +105,43 @@ def _used(roots, found) -> tuple[type, ...]:
 def children(path: str, modules) -> tuple[str, ...]:
   """The modules of ``modules`` directly inside module ``path``.
 
+  ``modules`` maps each module path to the scope names its call runs
+  under (or is a set of paths, nested by name alone). A module is inside
+  another when its path extends the other's (``"a/b"`` in ``"a"``) or its
+  call runs inside the other's: a Flax root module is named by its class
+  (``"Model"``) while its children keep Flax's names (``"Dense_0"``).
+
   >>> children("a", {"a", "a/b", "a/b/c", "a/d", "ab"})
   ('a/b', 'a/d')
+  >>> children("Model", {"Model": ("Model",), "Dense_0": ("Model", "Dense_0")})
+  ('Dense_0',)
   """
-  inside = [m for m in modules if m.startswith(path + "/")]
+  scopes = modules if isinstance(modules, dict) else {}
+
+  def within(inner: str, outer: str) -> bool:
+    if inner == outer:
+      return False
+    if inner.startswith(outer + "/"):
+      return True
+    a, b = scopes.get(outer), scopes.get(inner)
+    return bool(a) and b is not None and len(b) > len(a) and (
+        b[:len(a)] == a)
+
+  inside = [m for m in modules if within(m, path)]
   return tuple(sorted(m for m in inside
-                      if not any(m.startswith(o + "/") for o in inside)))
+                      if not any(within(m, o) for o in inside)))
+
+
+def module_scopes(found) -> dict[str, tuple[str, ...]]:
+  """Each module path among sites ``found`` -> the scope names its call
+  runs under (the shortest of its ops')."""
+  out: dict[str, tuple[str, ...]] = {}
+  for site in found:
+    if site.path:
+      names = regions.plain_scope_names(site.names)
+      if site.path not in out or len(names) < len(out[site.path]):
+        out[site.path] = names
+  return out
 
 
 def _entries(policy, island, roots, islands, kept) -> list[tuple[Any, Any]]:
@@ -235,12 +267,15 @@ def _why(row, share: float) -> str:
 class _Search:
   """The measured runs of one search, counted against the budget."""
 
-  def __init__(self, call, policy, island, roots, max_evals: int):
+  def __init__(self, call, policy, island, roots, max_evals: int,
+               loss_scale: Any = None):
     self.call, self.policy, self.island = call, policy, island
+    self.loss_scale = loss_scale
     self.roots, self.max_evals = roots, max_evals
     self.evals = 0
     self.reference = None
-    self.modules: set[str] = set()  # Module paths (of a first run).
+    # Module path -> the scope names of its call (of a first run).
+    self.modules: dict[str, tuple[str, ...]] = {}
 
   def kept(self, islands) -> tuple[str, ...]:
     """The child modules of ``islands`` that keep the policy."""
@@ -253,28 +288,30 @@ class _Search:
 
   def float32(self) -> None:
     self.evals += 1
-    self.reference = shadow.float32_run(self.call, True)
+    self.reference = shadow.float32_run(self.call, True, self.loss_scale)
 
   def measure(self, islands) -> tuple[Measured, program_lib.Run]:
     self.evals += 1
     islands = tuple(islands)
     with _configured(self.policy, self.island, self.roots, islands,
                      self.kept(islands)):
-      run = program_lib.run(self.call, self.call.program(True),
-                            observer=shadow.Outputs)
+      run = program_lib.run(
+          self.call, self.call.program(True, self.loss_scale, True),
+          observer=shadow.Outputs)
     if not self.modules:
-      self.modules = {site.path for site in run.sites if site.path}
+      self.modules = module_scopes(run.sites)
     finite = program_lib.all_finite(run.outs)
     want = self.reference.outs
     value = (shadow.Error.of(run.outs[:1], want[:1]) if finite else None)
     grads = (shadow.Error.of(run.outs[1:], want[1:]) if finite else None)
     first = (None if finite else
-             locate.first_nonfinite(self.call, run, True)[0])
+             locate.first_nonfinite(self.call, run, True,
+                                    self.loss_scale)[0])
     inf = float("inf")
     return Measured(
         islands, finite, value.rel_error if value else inf,
         grads.rel_error if grads else (0.0 if finite else inf),
-        flops.half_fraction(run.jaxpr.jaxpr), first), run
+        flops.half_fraction(run.checker.flops), first), run
 
   def ranked(self, run, islands) -> list[tuple[str, float, Any]]:
     """Modules not yet islands, by the error they add per share of the
@@ -284,7 +321,7 @@ class _Search:
       ``(path, why)`` pairs.
     """
     report = shadow.report_of(self.call, run, self.reference, True)
-    own = flops.by_module(run.jaxpr.jaxpr, run.sites)
+    own = flops.by_module(run.checker.flops, run.sites)
     total = sum(own.values()) or 1
     found = []
     for row in report.rows:
@@ -327,7 +364,8 @@ def _check(policy, tolerance, max_evals, island_dtype) -> tuple:
 
 def suggest_policy(fn: Callable[..., Any], *args, policy=None,
                    tolerance: float = 0.05, max_evals: int = 16,
-                   island_dtype: Any = jnp.float32) -> PolicySuggestion:
+                   island_dtype: Any = jnp.float32,
+                   loss_scale: Any = None) -> PolicySuggestion:
   """Finds a few module paths to run in ``island_dtype`` so that ``fn``
   matches float32.
 
@@ -366,6 +404,9 @@ def suggest_policy(fn: Callable[..., Any], *args, policy=None,
     max_evals: how many times ``fn`` may run, at least 2.
     island_dtype: the dtype the islands compute in (under ``c=f8``,
       ``jnp.bfloat16`` may be enough).
+    loss_scale: ``None``, a number or an mpolicy loss scale: gradients are
+      measured as a training step computes them, of the loss times its
+      scale, divided by it after.
 
   Returns:
     A `PolicySuggestion`: ``float32_paths``, ``apply()``, ``str()`` and
@@ -374,8 +415,9 @@ def suggest_policy(fn: Callable[..., Any], *args, policy=None,
   See also: `compare_to_float32`, `locate_nonfinite`, `set_policy`.
   """
   policy, island = _check(policy, tolerance, max_evals, island_dtype)
+  loss_scale = program_lib.check_loss_scale(loss_scale, "suggest_policy")
   call = program_lib.Call(fn, args, "suggest_policy")
-  search = _Search(call, policy, island, _roots(), max_evals)
+  search = _Search(call, policy, island, _roots(), max_evals, loss_scale)
   search.float32()
   before, run = search.measure(())
   search.roots = _used(search.roots, run.sites)

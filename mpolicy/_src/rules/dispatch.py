@@ -25,9 +25,8 @@ import numpy as np
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
 from mpolicy._src import policy as policy_lib
-from mpolicy._src import recording
+from mpolicy._src import observe
 from mpolicy._src import regions
-from mpolicy._src import sites
 from mpolicy._src.rules import base
 from mpolicy._src.rules import classes
 from mpolicy._src.rules import custom
@@ -47,11 +46,12 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
     rules: the op-rule table in force (a `RuleTable`: an `OpRules`).
     region: what governs it (``None``: nothing).
     names: its scope names (for the recorded row and policy casts).
-    quiet: if ``True``, nothing is recorded.
+    quiet: if ``True``, it is no row of `explain` (see `observe`).
 
   Returns:
     The output values.
   """
+  del quiet  # Observers read it from the equation (`observe.Equation`).
   casts_before = env.inserted
   wide = region is not None and _wide_policy(region.policy)
   as_written = region is not None and (region.full_precision or wide)
@@ -90,15 +90,12 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
     value = env.const_of(invals[0])
     if value is not None:
       env.mark_const(outs[0], value)
-  if (recording.active() and not quiet) or sites.active():
+  if observe.active():
     # A cast in the traced code (or made for a module's policy) is the
     # code's own, even though the environment makes it: not counted.
     inserted = (0 if op.rule in special.CODE_CASTS
                 else env.inserted - casts_before)
-    decision = _decision(op, invals, outs, names, inserted)
-    if not quiet:
-      recording.record(decision)
-    sites.note_ran_in(decision.ran_in)
+    observe.decided(_decision(op, invals, outs, names, inserted))
   return outs
 
 
@@ -180,7 +177,7 @@ def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:
   return not dtypes.is_half(compute) and not policy_lib.is_fp8(compute)
 
 
-def _decision(op: base.Op, invals, outs, names, casts: int) -> recording.Decision:
+def _decision(op: base.Op, invals, outs, names, casts: int) -> observe.Decision:
   if op.ran_in is not None:
     ran = [op.ran_in]
   else:
@@ -188,7 +185,7 @@ def _decision(op: base.Op, invals, outs, names, casts: int) -> recording.Decisio
                   if dtypes.float_value(a)})
     if not ran or op.rule in special.CODE_CASTS:
       ran = sorted({dtypes.dtype_of(o).name for o in outs})  # Its result.
-  return recording.Decision(
+  return observe.Decision(
       scope=op.scope,
       module_class=op.region.module_class if op.region is not None else None,
       primitive=op.prim.name,

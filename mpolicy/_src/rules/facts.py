@@ -78,6 +78,13 @@ class Facts:
     kernel: it runs code mpolicy does not see into (a host callback, a
       Pallas kernel): as written, its operands in their traced dtypes, and
       listed by `explain` (see `kernels`).
+    moves: its results hold exactly its operands' values (moved, copied,
+      negated): a result is not finite exactly when an operand is not (the
+      debugger checks no such result, `debugging.check`).
+    fills_ref: it puts a value into a mutable reference (``new_ref``
+      makes one holding its operand; ``swap`` and ``addupdate`` write
+      their second operand into their first): what the reference holds
+      comes from that value (`debugging.check`).
     special: a rule for this primitive run before its class rule (see
       `dispatch`); it may decline by returning ``None``.
     lower: the family's half rule for a ``lower`` op: ``fn(op, compute,
@@ -101,6 +108,8 @@ class Facts:
   binds_plainly: bool = False
   combines_scalars: bool = False
   kernel: bool = False
+  moves: bool = False
+  fills_ref: bool = False
   special: Optional[Callable[..., Any]] = None
   lower: Optional[Callable[..., Any]] = None
   lower_fp8: Optional[Callable[..., Any]] = None
