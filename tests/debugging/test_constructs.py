@@ -184,13 +184,6 @@ OWN_FLAGS = {"scan": ("jax_scan3",), "shard_map": ("jax_scan3",),
              "custom_vjp": ("jax_custom_vjp3",)}
 CASES = [(name, flag) for name, own in sorted(OWN_FLAGS.items())
          for flag in own if flag in FLAGS]
-# With jax_custom_jvp3 on, amp itself refuses a custom_jvp whose rule
-# recomputes a float16 primal (JAX's "Custom JVP rule must produce a pair
-# ... same shape/dtype"): the interpreter's custom_jvp3 rule, not the
-# debugger. Strict: it fails today, and says so the day it is fixed.
-CASES = [pytest.param(*c, marks=pytest.mark.xfail(
-    strict=True, reason="amp's custom_jvp3 rule: primal dtype mismatch"))
-         if c == ("custom_jvp", "jax_custom_jvp3") else c for c in CASES]
 
 
 @pytest.mark.skipif(not CASES, reason="this JAX has no next-generation flags")

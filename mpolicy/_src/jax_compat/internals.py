@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax
 from jax.extend import core as jex_core
+from jax.extend.core import primitives as _jex_primitives
 from jax.extend import source_info_util as _siu
 
 # The rest is private JAX. Each import is used by the helpers below.
@@ -312,6 +313,11 @@ def _primitives(packages: tuple[str, ...]) -> dict:
     return hit
   found = {p.name: p for p in _mlir._lowerings}  # pylint: disable=protected-access
   found.update((p.name, p) for p in loaded_primitives(packages))
+  # A name two primitives share (Pallas's SparseCore defines its own
+  # `swap` and `get`) means JAX's own: the one `jax.extend.core.primitives`
+  # exports, whichever modules happen to be loaded.
+  found.update((p.name, p) for p in vars(_jex_primitives).values()
+               if isinstance(p, jex_core.Primitive))
   _primitives_cache.clear()
   _primitives_cache[key] = found
   return found
