@@ -5,6 +5,17 @@ by module class or name pattern, `transform_amp` for Haiku, an op-level
 interpreter (`amp`) that runs each primitive in the dtype its rule gives it,
 and optax training helpers.
 
+First day: `get_policy` (a `Policy` from jmp's grammar,
+``"p=f32,c=bf16,o=f32"``), `set_policy` (by module class or name pattern),
+`transform_amp` (Haiku) or `amp` (any JAX function), `make_train_step`
+with a `DynamicLossScale`, and `explain` to see what ran in which dtype.
+
+The rest is behind three doors, each a theme (the flat names stay too):
+``mpolicy.training`` (loss scales, steps, the optimizer's precision),
+``mpolicy.debug`` (explain, locate_nonfinite, compare_to_float32,
+suggest_policy, fp8_stats) and ``mpolicy.checkpoint`` (orbax checkpoints
+checked against the policy).
+
 >>> import jax.numpy as jnp, mpolicy
 >>> f = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=bf16,o=f32")
 >>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
