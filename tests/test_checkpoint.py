@@ -15,7 +15,7 @@ import pytest
 
 import mpolicy
 from mpolicy._src import checkpoint
-from mpolicy._src import checkpoint_leaves
+from mpolicy._src.checkpoint import leaves as checkpoint_leaves
 from mpolicy._src import loss_scale as ls_lib
 
 from _helpers import poison
@@ -170,7 +170,7 @@ _RACER = r"""
 import glob, sys, time
 import jax.numpy as jnp
 from mpolicy._src import checkpoint
-from mpolicy._src import checkpoint_leaves
+from mpolicy._src.checkpoint import leaves as checkpoint_leaves
 i, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tree = {"w": jnp.full((4096,), i, jnp.bfloat16), "i": jnp.int32(i)}
 open(f"{path}.ready{i}", "w").close()
@@ -210,7 +210,7 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
   def fail(src, dst):
     raise OSError(f"disk full moving {src} to {dst}")
 
-  monkeypatch.setattr(checkpoint.os, "rename", fail)
+  monkeypatch.setattr(os, "rename", fail)
   with pytest.raises(OSError, match="disk full"):
     checkpoint.save_checkpoint(tmp_path / "b", {"w": jnp.ones(2)})
   assert os.listdir(tmp_path) == []

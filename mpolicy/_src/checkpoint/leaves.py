@@ -1,24 +1,16 @@
-"""The leaves of a checkpoint: what each one is, how it is written, how
-it comes back.
+"""The leaves of a checkpoint: what each one is, and how it comes back.
 
-A leaf is a JAX array (typed PRNG keys included), a numpy array or
-scalar, or a Python number; a template may also hold
-`jax.ShapeDtypeStruct`s. Numpy values and Python numbers are host values:
-the checkpoint's metadata names their kind, so that a template that only
-knows shapes (`jax.eval_shape`'s) gets them back as they were saved.
-
-In a run of several processes, a leaf that each process holds whole (a
-host value, or a JAX array on the process's own devices, such as a loss
-scale made with `jnp` before the first step) is one value that every
-process must agree on: `digest` compares them, and `to_global` makes such
-an array one global array, replicated on every device, that orbax writes
-once.
+A leaf is a JAX array (typed PRNG keys included), a numpy value or a
+Python number (host values, whose kind the metadata names, so that a
+`jax.eval_shape` template gets them back as saved); a template may hold
+`jax.ShapeDtypeStruct`s. In several processes, a leaf each holds whole (a
+host value, or an array on its own devices) is written once, as one array
+replicated on every device (`to_global`).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -35,6 +27,12 @@ def is_key(x: Any) -> bool:
 
 def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
   """`(dtype, shape)` of a leaf; a `TypeError` naming it if unsupported."""
+  if isinstance(leaf, jax.core.Tracer):
+    raise TypeError(
+        f"{what} needs concrete arrays, but leaf {key} is a traced value "
+        f"({type(leaf).__name__}): it was called inside jax.jit (or grad, "
+        "vmap, scan). Call it outside jit, on the arrays the jitted step "
+        "returns.")
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
                        *_NUMBERS)):
     dtype = getattr(leaf, "dtype", None)
@@ -67,9 +65,7 @@ def host_kind(leaf: Any) -> Optional[str]:
     return "ndarray"
   if isinstance(leaf, np.generic):
     return "generic"
-  if isinstance(leaf, _NUMBERS):
-    return type(leaf).__name__
-  return None
+  return type(leaf).__name__ if isinstance(leaf, _NUMBERS) else None
 
 
 def held_whole(leaf: Any) -> bool:
@@ -77,18 +73,6 @@ def held_whole(leaf: Any) -> bool:
   if isinstance(leaf, jax.Array):
     return leaf.is_fully_addressable
   return host_kind(leaf) is not None
-
-
-def digest(leaf: Any) -> str:
-  """A digest of a leaf's dtype, shape and bytes (a key's data and impl)."""
-  extra = ""
-  if is_key(leaf):
-    extra = str(jax.random.key_impl(leaf))
-    leaf = jax.random.key_data(leaf)
-  data = np.ascontiguousarray(np.asarray(leaf))
-  h = hashlib.sha256(f"{data.dtype}{data.shape}{extra}".encode())
-  h.update(data.tobytes())
-  return h.hexdigest()[:20]
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,28 +92,24 @@ def to_global(leaf: jax.Array) -> jax.Array:
 
 
 def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
-  """Whether a host value saved in `saved_dtype` cannot fill the abstract
-  template leaf (whose dtype JAX canonicalized: float64 -> float32 without
-  x64)."""
+  """Whether a host value saved in `saved_dtype` cannot fill an abstract
+  leaf (whose dtype JAX canonicalized: float64 -> float32 without x64)."""
   want = np.dtype(template.dtype)
   return jax.dtypes.canonicalize_dtype(np.dtype(saved_dtype)) != want
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
                    saved_sharding: Callable[[], Any]) -> Any:
-  """What orbax restores `leaf` from: its shape, dtype and sharding.
-
-  A `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
-  where that is None, `replicated()`.
-  """
+  """What orbax restores `leaf` from: its shape, dtype and sharding. A
+  `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
+  where that is None, `replicated()`."""
   if isinstance(leaf, np.generic):
     return np.asarray(leaf)
   if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
     if kind is not None:
       return np.zeros(leaf.shape, np.dtype(saved_dtype))  # Back as saved.
-    struct = lambda s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                            sharding=s,
-                                            weak_type=leaf.weak_type)
+    struct = lambda s: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
     try:
       return struct(saved_sharding() or replicated())
     except ValueError:  # Saved for another rank (orbax pads scalars' specs).
@@ -139,18 +119,8 @@ def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
   return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
 
 
-def _as_saved(value: Any, kind: str) -> Any:
-  value = np.asarray(value)
-  if kind == "ndarray":
-    return value
-  if kind == "generic":
-    return value[()]
-  return {"bool": bool, "int": int, "float": float}[kind](value.item())
-
-
 def _uncommitted(x: jax.Array) -> jax.Array:
-  """`x` as a fresh `jnp` array is: on the default device, free to move
-  beside sharded arguments of `jit`."""
+  """`x` as a fresh `jnp` array is: free to join sharded arguments."""
   if is_key(x):
     return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
                                     impl=jax.random.key_impl(x))
@@ -161,13 +131,14 @@ def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
   """The restored leaf, of the kind the template leaf is."""
   if isinstance(template, _NUMBERS):
     return type(template)(np.asarray(restored).item())
-  if isinstance(template, np.generic):
-    return np.asarray(restored)[()]
-  if isinstance(template, np.ndarray):
-    return np.asarray(restored)
+  if isinstance(template, (np.generic, np.ndarray)):
+    return np.asarray(restored)[()] if isinstance(
+        template, np.generic) else np.asarray(restored)
   if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
-      and kind is not None):
-    return _as_saved(restored, kind)
+      and kind is not None):  # Back as saved.
+    value = np.asarray(restored)
+    return value if kind == "ndarray" else value[()] if kind == "generic" else {
+        "bool": bool, "int": int, "float": float}[kind](value.item())
   sharding = getattr(template, "sharding", None)
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
     restored = jnp.asarray(restored, template.dtype)
@@ -178,8 +149,7 @@ def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
     restored = _uncommitted(restored)
   if (getattr(template, "weak_type", False) and restored.ndim == 0
       and not is_key(restored)):
-    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed,
-    # so it promotes as the saved one did.
+    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed.
     weak = jnp.asarray(np.asarray(restored).item())
     if weak.dtype == restored.dtype:
       restored = (jax.device_put(weak, restored.sharding) if restored.committed

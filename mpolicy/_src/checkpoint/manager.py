@@ -1,11 +1,10 @@
 """The checkpoints of a training loop: one directory, the last few steps.
 
-Each step's checkpoint is `save_checkpoint`'s, in `<directory>/step_<n>`,
-so it has the same guarantees (atomic, loss-scale settings, dtypes,
-shardings, every process of a multi-process run taking part). After each
-save the oldest checkpoints beyond `max_to_keep` are removed: each is
-first renamed to a hidden name, so a listing never shows one half
-deleted.
+orbax's `CheckpointManager` refuses to save a step twice (and `force`
+deletes the old one before writing), deletes old steps in place (a crash
+leaves a half-deleted step that it lists) and writes without mpolicy's
+checks; this one saves each step with `save_checkpoint` and renames old
+steps to a hidden name before deleting them.
 """
 
 from __future__ import annotations
@@ -16,10 +15,12 @@ import re
 import shutil
 from typing import Any, Optional
 
-from mpolicy._src import checkpoint
-from mpolicy._src import processes as processes_lib
+from mpolicy._src.checkpoint import layout
+from mpolicy._src.checkpoint import processes
+from mpolicy._src.checkpoint.restore import restore_checkpoint
+from mpolicy._src.checkpoint.save import save_checkpoint
 
-_STEP = re.compile(r"step_(\d+)")
+_STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
 
 
 def _whole(value: Any, least: int, what: str) -> int:
@@ -38,21 +39,20 @@ class CheckpointManager:
   """Saves a training loop's state every few steps and keeps the last ones.
 
   `save(step, state)` writes `<directory>/step_<step>` with
-  `save_checkpoint` and then removes the oldest checkpoints beyond
-  `max_to_keep`; `restore(template)` loads the latest (or `step=`) with
+  `save_checkpoint`, then removes the oldest beyond `max_to_keep` (each
+  renamed to a hidden name first, so a listing never shows one half
+  deleted); `restore(template)` loads the latest (or `step=`) with
   `restore_checkpoint`. With `jax.distributed`, every process makes the
-  same calls, as with `save_checkpoint` (process 0 removes old steps, and
-  every process returns once they are gone).
+  same calls (process 0 removes old steps).
 
   Args:
     directory: where the step directories go (created on the first save).
-    max_to_keep: how many checkpoints to keep (the newest), or None for
-      all of them.
+    max_to_keep: how many checkpoints to keep (the newest), or None for all.
 
   Raises:
     TypeError: `directory` is not a path, or `max_to_keep` is neither a
       whole number nor None.
-    ValueError: `max_to_keep` is below 1.
+    ValueError: `max_to_keep` is below 1, or `directory` is a URL.
 
   >>> import tempfile, jax.numpy as jnp, mpolicy
   >>> manager = mpolicy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -73,7 +73,7 @@ class CheckpointManager:
                       f"an os.PathLike), got {type(directory).__name__}.")
     if max_to_keep is not None:
       max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep")
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = layout.local_path(directory, "CheckpointManager")
     self.max_to_keep = max_to_keep
 
   def path(self, step: int) -> str:
@@ -86,7 +86,7 @@ class CheckpointManager:
     if not os.path.isdir(self.directory):
       return []
     found = (_STEP.fullmatch(n) for n in os.listdir(self.directory))
-    return sorted(int(m.group(1)) for m in found if m)
+    return sorted({int(m.group(1) or m.group(2)) for m in found if m})
 
   def latest_step(self) -> Optional[int]:
     """The newest step with a checkpoint, or None."""
@@ -100,16 +100,18 @@ class CheckpointManager:
     was saved before and `overwrite` is False), and a `TypeError` or
     `ValueError` where `step` is not a whole number >= 0.
     """
-    checkpoint.save_checkpoint(self.path(step), tree, overwrite=overwrite)
+    save_checkpoint(self.path(step), tree, overwrite=overwrite)
     if self.max_to_keep is None:
       return
-    group = processes_lib.Processes("CheckpointManager.save")
+    group = processes.Processes("CheckpointManager.save")
 
     def prune():
       if group.primary:
         for old in self.all_steps()[:-self.max_to_keep]:
-          os.rename(self.path(old), os.path.join(self.directory,
-                                                 f".step_{old}.deleting"))
+          for where in (self.path(old), layout.old_path(self.path(old))):
+            if os.path.lexists(where):
+              os.rename(where, os.path.join(
+                  self.directory, f".{os.path.basename(where)}.deleting"))
         for name in os.listdir(self.directory):  # Also a crashed prune's.
           if name.endswith(".deleting"):
             shutil.rmtree(os.path.join(self.directory, name))
@@ -120,9 +122,8 @@ class CheckpointManager:
   def restore(self, template: Any, step: Optional[int] = None) -> Any:
     """Loads `step`'s checkpoint (the latest by default) into `template`.
 
-    Raises:
-      FileNotFoundError: there is no checkpoint (of `step`).
-      And what `restore_checkpoint` raises.
+    Raises `FileNotFoundError` where there is no checkpoint (of `step`),
+    and what `restore_checkpoint` raises.
     """
     if step is None:
       step = self.latest_step()
@@ -130,4 +131,4 @@ class CheckpointManager:
         raise FileNotFoundError(
             f"CheckpointManager.restore: no checkpoint in {self.directory} "
             "(nothing saved yet: start from a fresh state).")
-    return checkpoint.restore_checkpoint(self.path(step), template)
+    return restore_checkpoint(self.path(step), template)
