@@ -1,10 +1,5 @@
-"""Checkpoints of training state, through orbax.
-
-`save_checkpoint(path, state)` writes one orbax directory (each leaf
-checksummed, loss-scale settings kept, every process taking part),
-`restore_checkpoint(path, template)` reads it back into the template's
-dtypes and shardings after checking it, and `CheckpointManager` keeps a
-training loop's last few steps. The same names are in `mpolicy` itself.
+"""Checkpoints of training state through orbax: `save_checkpoint`,
+`restore_checkpoint` and `CheckpointManager` (also in `mpolicy` itself).
 
 >>> import os, tempfile, jax.numpy as jnp
 >>> from mpolicy import checkpoint

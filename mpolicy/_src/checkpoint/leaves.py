@@ -3,12 +3,8 @@
 A leaf is a JAX array (typed PRNG keys included), a numpy value or a
 Python number (host values, whose kind the metadata names, so that a
 `jax.eval_shape` template gets them back as saved); a template may hold
-`jax.ShapeDtypeStruct`s. In several processes, a leaf each holds whole (a
-host value, or an array on its own devices) is written once, as one array
-replicated on every device (`to_global`).
+`jax.ShapeDtypeStruct`s.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Optional
@@ -61,11 +57,9 @@ def flatten(tree: Any, what: str):
 
 def host_kind(leaf: Any) -> Optional[str]:
   """How a host value was saved: numpy array or scalar, or which number."""
-  if isinstance(leaf, np.ndarray):
-    return "ndarray"
-  if isinstance(leaf, np.generic):
-    return "generic"
-  return type(leaf).__name__ if isinstance(leaf, _NUMBERS) else None
+  kinds = ((np.ndarray, "ndarray"), (np.generic, "generic"),
+           (_NUMBERS, type(leaf).__name__))
+  return next((kind for t, kind in kinds if isinstance(leaf, t)), None)
 
 
 def held_whole(leaf: Any) -> bool:
@@ -83,7 +77,8 @@ def replicated() -> jax.sharding.NamedSharding:
 
 
 def to_global(leaf: jax.Array) -> jax.Array:
-  """A leaf each process holds whole, as one array on every device."""
+  """A leaf each process holds whole, as one array on every device (so
+  that orbax writes it once)."""
   sharding = replicated()
   mine = [d for d in sharding.mesh.devices.flat
           if d.process_index == jax.process_index()]  # In the mesh's order.
@@ -129,16 +124,15 @@ def _uncommitted(x: jax.Array) -> jax.Array:
 
 def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
   """The restored leaf, of the kind the template leaf is."""
+  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
+      and kind is not None):  # Back as saved.
+    template = {"ndarray": np.zeros(0), "generic": np.float32(0),
+                "bool": False, "int": 0, "float": 0.}[kind]
   if isinstance(template, _NUMBERS):
     return type(template)(np.asarray(restored).item())
   if isinstance(template, (np.generic, np.ndarray)):
-    return np.asarray(restored)[()] if isinstance(
-        template, np.generic) else np.asarray(restored)
-  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
-      and kind is not None):  # Back as saved.
     value = np.asarray(restored)
-    return value if kind == "ndarray" else value[()] if kind == "generic" else {
-        "bool": bool, "int": int, "float": float}[kind](value.item())
+    return value[()] if isinstance(template, np.generic) else value
   sharding = getattr(template, "sharding", None)
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
     restored = jnp.asarray(restored, template.dtype)

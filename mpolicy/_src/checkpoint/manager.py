@@ -1,13 +1,10 @@
 """The checkpoints of a training loop: one directory, the last few steps.
 
-orbax's `CheckpointManager` refuses to save a step twice (and `force`
-deletes the old one before writing), deletes old steps in place (a crash
-leaves a half-deleted step that it lists) and writes without mpolicy's
-checks; this one saves each step with `save_checkpoint` and renames old
-steps to a hidden name before deleting them.
+orbax's own `CheckpointManager` saves without mpolicy's checks, refuses to
+save a step again (`force` deletes it first) and deletes old steps in
+place, so a crash leaves a half-deleted step that it lists. This one saves
+with `save_checkpoint` and renames an old step to a hidden name first.
 """
-
-from __future__ import annotations
 
 import numbers
 import os
@@ -15,7 +12,7 @@ import re
 import shutil
 from typing import Any, Optional
 
-from mpolicy._src.checkpoint import layout
+from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import processes
 from mpolicy._src.checkpoint.restore import restore_checkpoint
 from mpolicy._src.checkpoint.save import save_checkpoint
@@ -24,10 +21,10 @@ _STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
 
 
 def _whole(value: Any, least: int, what: str) -> int:
-  """`value` as an int >= `least`; `what` names it in the error."""
-  error = (f"{what} must be a whole number >= {least}"
-           + (", or None to keep every step" if "max_to_keep" in what
-              else "") + f"; got {value!r}.")
+  """`value` as an int >= `least`, or an error naming `what`."""
+  error = (f"{what} must be a whole number >= {least}" + (
+      ", or None to keep every step" if "max_to_keep" in what else "")
+           + f"; got {value!r}.")
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(error)
   if value < least:
@@ -39,20 +36,9 @@ class CheckpointManager:
   """Saves a training loop's state every few steps and keeps the last ones.
 
   `save(step, state)` writes `<directory>/step_<step>` with
-  `save_checkpoint`, then removes the oldest beyond `max_to_keep` (each
-  renamed to a hidden name first, so a listing never shows one half
-  deleted); `restore(template)` loads the latest (or `step=`) with
-  `restore_checkpoint`. With `jax.distributed`, every process makes the
-  same calls (process 0 removes old steps).
-
-  Args:
-    directory: where the step directories go (created on the first save).
-    max_to_keep: how many checkpoints to keep (the newest), or None for all.
-
-  Raises:
-    TypeError: `directory` is not a path, or `max_to_keep` is neither a
-      whole number nor None.
-    ValueError: `max_to_keep` is below 1, or `directory` is a URL.
+  `save_checkpoint` and removes the oldest beyond `max_to_keep` (None: keep
+  all); `restore(template)` loads the latest (or `step=`). With
+  `jax.distributed`, every process makes the same calls.
 
   >>> import tempfile, jax.numpy as jnp, mpolicy
   >>> manager = mpolicy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -73,7 +59,7 @@ class CheckpointManager:
                       f"an os.PathLike), got {type(directory).__name__}.")
     if max_to_keep is not None:
       max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep")
-    self.directory = layout.local_path(directory, "CheckpointManager")
+    self.directory = disk.local_path(directory, "CheckpointManager")
     self.max_to_keep = max_to_keep
 
   def path(self, step: int) -> str:
@@ -83,32 +69,24 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The steps with a complete checkpoint, oldest first."""
-    if not os.path.isdir(self.directory):
-      return []
-    found = (_STEP.fullmatch(n) for n in os.listdir(self.directory))
+    names = os.listdir(self.directory) if os.path.isdir(self.directory) else ()
+    found = (_STEP.fullmatch(name) for name in names)
     return sorted({int(m.group(1) or m.group(2)) for m in found if m})
 
   def latest_step(self) -> Optional[int]:
     """The newest step with a checkpoint, or None."""
-    steps = self.all_steps()
-    return steps[-1] if steps else None
+    return (self.all_steps() or [None])[-1]
 
   def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
-    """Saves `tree` as `step`'s checkpoint; keeps the newest `max_to_keep`.
-
-    Raises what `save_checkpoint` raises (`FileExistsError` where `step`
-    was saved before and `overwrite` is False), and a `TypeError` or
-    `ValueError` where `step` is not a whole number >= 0.
-    """
+    """Saves `tree` as `step`'s checkpoint (see `save_checkpoint`; a step
+    saved before needs `overwrite=True`); keeps the newest `max_to_keep`."""
     save_checkpoint(self.path(step), tree, overwrite=overwrite)
-    if self.max_to_keep is None:
-      return
     group = processes.Processes("CheckpointManager.save")
 
     def prune():
-      if group.primary:
+      if group.primary and self.max_to_keep is not None:
         for old in self.all_steps()[:-self.max_to_keep]:
-          for where in (self.path(old), layout.old_path(self.path(old))):
+          for where in (self.path(old), disk.old_path(self.path(old))):
             if os.path.lexists(where):
               os.rename(where, os.path.join(
                   self.directory, f".{os.path.basename(where)}.deleting"))
@@ -120,15 +98,11 @@ class CheckpointManager:
     group.step(prune)
 
   def restore(self, template: Any, step: Optional[int] = None) -> Any:
-    """Loads `step`'s checkpoint (the latest by default) into `template`.
-
-    Raises `FileNotFoundError` where there is no checkpoint (of `step`),
-    and what `restore_checkpoint` raises.
-    """
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        raise FileNotFoundError(
-            f"CheckpointManager.restore: no checkpoint in {self.directory} "
-            "(nothing saved yet: start from a fresh state).")
+    """Loads `step`'s checkpoint (the latest by default) into `template`
+    (see `restore_checkpoint`); `FileNotFoundError` if there is none."""
+    if step is None and self.latest_step() is None:
+      raise FileNotFoundError(
+          f"CheckpointManager.restore: no checkpoint in {self.directory} "
+          "(nothing saved yet: start from a fresh state).")
+    step = self.latest_step() if step is None else step
     return restore_checkpoint(self.path(step), template)

@@ -1,12 +1,7 @@
-"""`restore_checkpoint`: a checkpoint, checked, into a template's form.
-
-The template is checked against the metadata first (every mismatch in one
-error); each process reads what its devices hold and sums the checksums of
-the shards it holds; a leaf whose total differs from the saved one is
-named. In several processes every step goes through `Processes.step`.
-"""
-
-from __future__ import annotations
+"""`restore_checkpoint`: the template is checked against the metadata
+(every mismatch in one error); each process reads what its devices hold
+and sums the checksums of its shards; a leaf whose total differs from the
+saved one is named. Each step goes through `Processes.step`."""
 
 import os
 from typing import Any
@@ -14,16 +9,15 @@ from typing import Any
 import jax
 
 from mpolicy._src.checkpoint import digests
-from mpolicy._src.checkpoint import layout
+from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import leaves as leaves_lib
 from mpolicy._src.checkpoint import meta as meta_lib
 from mpolicy._src.checkpoint import processes
-from mpolicy._src.checkpoint import storage
 
 
 def _open(path_arg: Any, template: Any, group, what: str):
   """The checkpoint's directory, the template's leaves, and the meta."""
-  path = layout.local_path(path_arg, what)
+  path = disk.local_path(path_arg, what)
   if template is None:
     raise TypeError(
         f"{what}: template is None; pass a pytree like the one saved: the "
@@ -31,7 +25,7 @@ def _open(path_arg: Any, template: Any, group, what: str):
         "initializer (with shardings on its ShapeDtypeStructs to place the "
         "leaves). The restored state takes its structure, dtypes and "
         "shardings from it.")
-  src = layout.locate(path)
+  src = disk.locate(path)
   if src is None:
     raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
   if not os.path.isdir(src):
@@ -40,61 +34,36 @@ def _open(path_arg: Any, template: Any, group, what: str):
     raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
                      f"(a directory written by save_checkpoint).{hint}")
   flat, described, treedef = leaves_lib.flatten(template, what)
-  meta = storage.read_meta(src, group, what)
+  meta = disk.read_meta(src, group, what)
   meta_lib.check(meta, path, template, flat, described, what)
   return (src, flat, treedef, meta), None
-
-
-def _verify(keys: list, parts: list, meta: dict, src: str, what: str) -> None:
-  saved = meta.get("digests", {})  # None in version 2.
-  bad = [k for i, k in enumerate(keys) if k in saved and int(
-      saved[k], 16) != sum(int(p[i]) for p in parts) % 2 ** 64]
-  if bad:
-    raise ValueError(
-        f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
-        "checksum saved with it: the checkpoint is damaged (its data "
-        "changed after it was written). Restore an earlier checkpoint.")
 
 
 def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   """Loads a `save_checkpoint` checkpoint into the structure of `template`.
 
-  Leaves come back with the template's dtypes and shardings, and resuming
-  gives bit for bit the steps of a run that never stopped. Structure,
-  shapes, dtypes and loss-scale settings are checked (a `DynamicLossScale`
-  whose `period`, `factor` or `min_loss_scale` differs from the saved one
-  is refused, both values named), and so is every leaf's checksum. The
-  devices may differ from the save's (2 processes to 1, 4 devices to 2:
-  pass a template sharded over the devices there are now). With
-  `jax.distributed`, every process calls it and reads what its devices
-  hold.
+  `template` is a pytree like the one saved (fresh state, or
+  `jax.eval_shape` of its initializer with `sharding` set where leaves
+  should go); leaves come back with its dtypes and shardings, and resuming
+  repeats bit for bit the steps of a run that never stopped. Structure,
+  shapes, dtypes, loss-scale settings and every leaf's checksum are
+  checked. The devices may differ from the save's (2 processes to 1, 4
+  devices to 2). A template leaf without a sharding comes back as saved: a
+  numpy value or number as such (`np.float64` stays float64), an array
+  with its saved sharding, or replicated where those devices are gone; an
+  array the template made outside `jit` comes back free to join sharded
+  arguments. If a save replacing `path` stopped before the new checkpoint
+  was in place, the old one is read. With `jax.distributed`, every process
+  calls it and reads what its devices hold.
 
-  Args:
-    path: the directory `save_checkpoint` wrote. If a save replacing it
-      stopped before the new one was in place, the old one is read.
-    template: a pytree like the one saved (fresh state, or `jax.eval_shape`
-      of its initializer with `sharding` set where leaves should go).
-
-  Returns:
-    The restored pytree: JAX arrays (typed keys stay typed), except where
-    the template has a numpy value or a Python number. A template leaf
-    without a sharding comes back as saved: a host value as such (an
-    `np.float64` stays float64), an array with its saved sharding, or
-    replicated where those devices are gone. An array the template made
-    outside `jit` comes back as one, free to join sharded arguments.
-
-  Raises:
-    TypeError: `path` is not a path, or `template` is None.
-    FileNotFoundError: nothing is at `path`.
-    ValueError: `path` is a URL, not an mpolicy checkpoint, unreadable or
-      damaged (a leaf whose checksum differs is named), or it does not
-      match the template (every mismatch is listed).
-    TimeoutError: another process did not call it within five minutes.
+  Raises `TypeError` (not a path; `template` None), `FileNotFoundError`
+  (nothing at `path`), `ValueError` (a URL; not an mpolicy checkpoint;
+  unreadable or damaged, naming a leaf whose checksum differs; every
+  mismatch with the template) or `TimeoutError`.
 
   >>> import os, tempfile, mpolicy
   >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-  >>> mpolicy.save_checkpoint(path, mpolicy.DynamicLossScale(2. ** 15,
-  ...                                                        period=10))
+  >>> mpolicy.save_checkpoint(path, mpolicy.DynamicLossScale(1., period=10))
   >>> mpolicy.restore_checkpoint(path, mpolicy.DynamicLossScale(2. ** 15))
   Traceback (most recent call last):
   ...
@@ -109,19 +78,26 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   kinds, saved, shardings = meta.get("host_values", {}), meta["leaves"], []
 
   def saved_sharding(key):  # Read once, if a leaf needs them.
-    shardings[:] = shardings or [storage.saved_shardings(src)]
+    shardings[:] = shardings or [disk.saved_shardings(src)]
     return shardings[0].get(key)
 
   def read():
     target = {k: leaves_lib.restore_target(
         v, kinds.get(k), saved[k][0], lambda k=k: saved_sharding(k))
               for k, v in flat.items()}
-    out = storage.read_state(src, target, group, what)
+    out = disk.read_state(src, target, group, what)
     return out, [str(digests.part(out[k], saved[k][0], group.primary))
                  for k in flat]
 
   restored, parts = group.step(read)
-  _verify(list(flat), parts, meta, src, what)  # The same on every process.
+  sums = meta.get("digests", {})  # None before version 3.
+  bad = [k for i, k in enumerate(flat)
+         if k in sums and digests.total(p[i] for p in parts) != sums[k]]
+  if bad:  # The same on every process.
+    raise ValueError(
+        f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
+        "checksum saved with it: the checkpoint is damaged (its data "
+        "changed after it was written). Restore an earlier checkpoint.")
   return jax.tree_util.tree_unflatten(treedef, [
       leaves_lib.restored_like(flat[k], restored[k], kinds.get(k))
       for k in flat])
