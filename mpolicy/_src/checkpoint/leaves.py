@@ -30,10 +30,9 @@ def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
         "vmap, scan). Call it outside jit, on the arrays the jitted step "
         "returns.")
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
-                       *_NUMBERS)):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:  # A Python number: the dtype JAX gives it.
-      dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
+                       *_NUMBERS)):  # A number: the dtype JAX gives it.
+    dtype = getattr(leaf, "dtype", None) or jax.dtypes.canonicalize_dtype(
+        np.result_type(type(leaf)))
     return str(dtype), [int(d) for d in np.shape(leaf)]
   raise TypeError(
       f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
@@ -64,9 +63,8 @@ def host_kind(leaf: Any) -> Optional[str]:
 
 def held_whole(leaf: Any) -> bool:
   """Whether each process holds the whole leaf (in a multi-process run)."""
-  if isinstance(leaf, jax.Array):
-    return leaf.is_fully_addressable
-  return host_kind(leaf) is not None
+  return (leaf.is_fully_addressable if isinstance(leaf, jax.Array)
+          else host_kind(leaf) is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +87,7 @@ def to_global(leaf: jax.Array) -> jax.Array:
 def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
   """Whether a host value saved in `saved_dtype` cannot fill an abstract
   leaf (whose dtype JAX canonicalized: float64 -> float32 without x64)."""
-  want = np.dtype(template.dtype)
-  return jax.dtypes.canonicalize_dtype(np.dtype(saved_dtype)) != want
+  return jax.dtypes.canonicalize_dtype(saved_dtype) != template.dtype
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,

@@ -74,13 +74,14 @@ class Processes:
   def _exchange(self, post: dict) -> list[dict]:
     key = f"mpolicy/{self._call}/{self._round}"
     self._round += 1
-    self._client.key_value_set(f"{key}/{self.index}", json.dumps(post))
+    text = json.dumps(post)
+    self._client.key_value_set(f"{key}/{self.index}", text)
     posts = []
     for i in range(self.count):
-      try:
-        posts.append(post if i == self.index else json.loads(
-            self._client.blocking_key_value_get(f"{key}/{i}",
-                                                TIMEOUT_S * 1000)))
+      try:  # Its own post too read back from JSON, as the others'.
+        posts.append(json.loads(text if i == self.index else
+                                self._client.blocking_key_value_get(
+                                    f"{key}/{i}", TIMEOUT_S * 1000)))
       except Exception as e:  # pylint: disable=broad-except
         raise TimeoutError(
             f"{self.what}: process {i} of {self.count} did not reach this "

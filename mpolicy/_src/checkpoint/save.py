@@ -35,7 +35,7 @@ def _agree(shared: list[dict], what: str) -> None:
           "every process must pass the same tree, whose global arrays hold "
           "each process's part.")
     differ = sorted(k for k, v in first["whole"].items()
-                    if other["whole"][k] != v)
+                    if other["whole"].get(k) != v)
     if differ:
       raise ValueError(
           f"{what}: {', '.join(differ[:5])} differ between process 0 and "
