@@ -1,12 +1,11 @@
 """A checkpoint on disk: where it goes, and orbax reading and writing it.
 
-orbax's `Checkpointer` writes two items, `state` (the leaves keyed by
-their `keystr` path) and `meta` (JSON), and commits them atomically into a
-scratch directory beside the path; `place` renames the result to the path.
-A checkpoint being replaced goes to `old_path` first, where `locate` finds
-it if the process dies before the new one is in. In several processes
-orbax's barriers go through `jax.distributed`'s coordination service with
-a timeout, and a read waits for no one: each reads what its devices hold.
+orbax's `Checkpointer` writes `state` (the leaves by `keystr` path) and
+`meta` (JSON) and commits them into a scratch directory beside the path;
+`place` renames that to the path, after moving a replaced checkpoint to
+`old_path`, where `locate` finds it if the process dies in between. In
+several processes orbax's barriers are the coordination service's, with a
+timeout, and each process reads what its devices hold without waiting.
 """
 
 import contextlib
@@ -118,19 +117,17 @@ def saved_shardings(path: str) -> dict[str, Any]:
   """Each array's sharding as saved, where it spans devices of every
   process there are now (else None)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  handler = ocp.StandardCheckpointHandler()
+  handler, out = ocp.StandardCheckpointHandler(), {}
   try:
     tree = handler.metadata(pathlib.Path(path) / "state").tree
   finally:
     handler.close()
-  out = {}
   for key, leaf in tree.items():
-    try:
-      out[key] = leaf.sharding.to_jax_sharding()
+    try:  # None saved, or its devices are gone: None.
+      sharding = leaf.sharding.to_jax_sharding()
+      processes = {d.process_index for d in sharding.device_set}
+      out[key] = sharding if len(processes) == jax.process_count() else None
     except Exception:  # pylint: disable=broad-except
-      out[key] = None  # None saved, or its devices are gone.
-    if out[key] is not None and len({d.process_index for d in out[
-        key].device_set}) < jax.process_count():
       out[key] = None
   return out
 

@@ -1,7 +1,5 @@
-"""`restore_checkpoint`: the template is checked against the metadata
-(every mismatch in one error); each process reads what its devices hold
-and sums the checksums of its shards; a leaf whose total differs from the
-saved one is named. Each step goes through `Processes.step`."""
+"""`restore_checkpoint`: the template checked against the metadata, the
+arrays read, every leaf's checksum checked."""
 
 import os
 from typing import Any

@@ -1,9 +1,5 @@
-"""`save_checkpoint`: process 0 checks the path and makes a scratch
-directory beside it; every process checks that it sees it, that all passed
-the same path and tree and hold equal values of the leaves each holds whole,
-and sums the checksums of its shards; orbax writes and commits; process 0
-renames the checkpoint into place. Each step goes through `Processes.step`.
-"""
+"""`save_checkpoint`: checks, agreement across processes, checksums, then
+orbax's commit and the rename into place."""
 
 import itertools
 import os
