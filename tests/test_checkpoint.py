@@ -555,3 +555,11 @@ def test_a_url_is_refused_before_anything_is_written(tmp_path, monkeypatch,
     with pytest.raises(ValueError, match=words):
       mpolicy.CheckpointManager(path)
   assert os.listdir(tmp_path) == []
+
+
+def test_the_checkpoint_door_holds_the_flat_names():
+  from mpolicy import checkpoint as door  # pylint: disable=g-import-not-at-top
+  assert sorted(door.__all__) == ["CheckpointManager", "restore_checkpoint",
+                                  "save_checkpoint"]
+  for name in door.__all__:
+    assert getattr(door, name) is getattr(mpolicy, name)

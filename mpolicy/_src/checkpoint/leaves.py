@@ -111,14 +111,6 @@ def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
   return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
 
 
-def _uncommitted(x: jax.Array) -> jax.Array:
-  """`x` as a fresh `jnp` array is: free to join sharded arguments."""
-  if is_key(x):
-    return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
-                                    impl=jax.random.key_impl(x))
-  return jnp.asarray(np.asarray(x))
-
-
 def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
   """The restored leaf, of the kind the template leaf is."""
   if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
@@ -136,8 +128,11 @@ def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
     if sharding is not None:
       restored = jax.device_put(restored, sharding)
   if (isinstance(template, jax.Array) and not template.committed
-      and jax.device_count() > 1):
-    restored = _uncommitted(restored)
+      and jax.device_count() > 1):  # Free, as a fresh array, to join others.
+    restored = jax.random.wrap_key_data(
+        np.asarray(jax.random.key_data(restored)),
+        impl=jax.random.key_impl(restored)) if is_key(restored) else (
+            jnp.asarray(np.asarray(restored)))
   if (getattr(template, "weak_type", False) and restored.ndim == 0
       and not is_key(restored)):
     # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed.

@@ -5,6 +5,7 @@ import itertools
 import os
 import shutil
 from typing import Any
+import zlib
 
 import jax
 
@@ -15,21 +16,21 @@ from mpolicy._src.checkpoint import meta as meta_lib
 from mpolicy._src.checkpoint import processes
 
 
-def _agree(shared: list[dict], what: str) -> None:
+def _agree(shared: list[dict], keys: list[str], what: str) -> None:
   first = shared[0]
   for i, other in enumerate(shared[1:], 1):
     if other["path"] != first["path"]:
       raise ValueError(f"{what}: process {i} saves to {other['path']}, "
                        f"process 0 to {first['path']}; every process must "
                        "pass the same path.")
-    pairs = list(itertools.zip_longest(other["leaves"], first["leaves"]))
+    pairs = itertools.zip_longest(other["leaves"], first["leaves"])
     n = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
     if n is not None:
+      where = f"at leaf {keys[n]}" if n < len(keys) else "in its length"
       raise ValueError(
-          f"{what}: process {i}'s tree differs from process 0's at leaf "
-          f"{(pairs[n][0] or pairs[n][1])[0]} (structure, dtype or shape); "
-          "every process must pass the same tree, whose global arrays hold "
-          "each process's part.")
+          f"{what}: process {i}'s tree differs from process 0's {where} "
+          "(structure, dtype or shape); every process must pass the same "
+          "tree, whose global arrays hold each process's part.")
     differ = sorted(k for k, v in first["whole"].items()
                     if other["whole"].get(k) != v)
     if differ:
@@ -80,7 +81,8 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
   def prepare():
     dest = disk.local_path(path, what)
     flat, described, _ = leaves_lib.flatten(tree, what)
-    shared = {"path": dest, "leaves": list(described.items()),
+    shared = {"path": dest, "leaves": [zlib.crc32(repr(d).encode())
+                                       for d in described.items()],
               "whole": {k: str(digests.part(v, described[k][0], True))
                         for k, v in flat.items()
                         if group.count > 1 and leaves_lib.held_whole(v)}}
@@ -90,7 +92,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
     return (dest, flat, meta_lib.build(tree, flat, described)), shared
 
   def check(flat, shared, meta):
-    _agree(shared, what)
+    _agree(shared, list(flat), what)
     if not os.path.isdir(shared[0]["scratch"]):
       raise OSError(f"{what}: process {group.index} does not see "
                     f"{shared[0]['scratch']}, which process 0 made beside the "
