@@ -15,6 +15,7 @@ import pytest
 
 import mpolicy
 from mpolicy._src import checkpoint
+from mpolicy._src.checkpoint import digests
 from mpolicy._src.checkpoint import leaves as checkpoint_leaves
 from mpolicy._src import loss_scale as ls_lib
 
@@ -486,7 +487,6 @@ def test_a_flipped_bit_in_a_leaf_is_refused_naming_the_leaf(tmp_path):
 
 
 def test_a_checksum_is_the_same_for_any_split_of_the_array():
-  from mpolicy._src.checkpoint import digests  # pylint: disable=g-import-not-at-top
   x = np.arange(24, dtype=np.float32).reshape(4, 6)
   whole = digests._piece(x, (), x.shape, None)
   parts = [digests._piece(x[r, c], (r, c), x.shape, None)

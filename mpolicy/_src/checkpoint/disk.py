@@ -76,8 +76,9 @@ def place(staged: str, path: str, overwrite: bool, what: str) -> None:
   except OSError as e:
     if not os.path.lexists(path):
       raise
-    raise FileExistsError(f"{what}: {path} was created by another save while "
-                          "this one ran; it is left as that save wrote it.") from e
+    raise FileExistsError(f"{what}: {path} was created by another save "
+                          "while this one ran; it is left as that one wrote "
+                          "it.") from e
   shutil.rmtree(old, ignore_errors=True)
 
 

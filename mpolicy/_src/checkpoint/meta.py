@@ -23,7 +23,8 @@ def settings(tree: Any) -> dict[str, dict[str, Any]]:
   nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]
   return {jax.tree_util.keystr(path): dict(type=type(node).__name__, **{
       name: np.asarray(getattr(node, name)).item()
-      for name in _SETTINGS[type(node)]}) for path, node in nodes if is_ls(node)}
+      for name in _SETTINGS[type(node)]})
+          for path, node in nodes if is_ls(node)}
 
 
 def build(tree: Any, flat: dict, described: dict) -> dict:
