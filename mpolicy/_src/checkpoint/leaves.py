@@ -1,10 +1,6 @@
-"""The leaves of a checkpoint: what each one is, and how it comes back.
-
-A leaf is a JAX array (typed PRNG keys included), a numpy value or a
-Python number (host values, whose kind the metadata names, so that a
-`jax.eval_shape` template gets them back as saved); a template may hold
-`jax.ShapeDtypeStruct`s.
-"""
+"""The leaves of a checkpoint: JAX arrays (typed keys included), numpy
+values and Python numbers (host values, which a `jax.eval_shape` template
+gets back as saved), and in a template `jax.ShapeDtypeStruct`s."""
 
 import functools
 from typing import Any, Callable, Optional
