@@ -102,7 +102,7 @@ if _typing.TYPE_CHECKING:
 
   from mpolicy._src.checkpoint import restore_checkpoint
   from mpolicy._src.checkpoint import save_checkpoint
-  from mpolicy._src.checkpoint_manager import CheckpointManager
+  from mpolicy._src.checkpoint import CheckpointManager
 
 # The package each lazy module needs (its import name, and what to install).
 _HAIKU = ("haiku", "dm-haiku")
@@ -134,7 +134,7 @@ _LAZY = {
     "StochasticParamsState": ("mpolicy._src.training.half_params", _OPTAX),
     "restore_checkpoint": ("mpolicy._src.checkpoint", _ORBAX),
     "save_checkpoint": ("mpolicy._src.checkpoint", _ORBAX),
-    "CheckpointManager": ("mpolicy._src.checkpoint_manager", _ORBAX),
+    "CheckpointManager": ("mpolicy._src.checkpoint", _ORBAX),
 }
 
 __version__ = "0.1.0"

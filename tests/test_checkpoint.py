@@ -15,7 +15,8 @@ import pytest
 
 import mpolicy
 from mpolicy._src import checkpoint
-from mpolicy._src import checkpoint_leaves
+from mpolicy._src.checkpoint import digests
+from mpolicy._src.checkpoint import leaves as checkpoint_leaves
 from mpolicy._src import loss_scale as ls_lib
 
 from _helpers import poison
@@ -170,7 +171,7 @@ _RACER = r"""
 import glob, sys, time
 import jax.numpy as jnp
 from mpolicy._src import checkpoint
-from mpolicy._src import checkpoint_leaves
+from mpolicy._src.checkpoint import leaves as checkpoint_leaves
 i, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tree = {"w": jnp.full((4096,), i, jnp.bfloat16), "i": jnp.int32(i)}
 open(f"{path}.ready{i}", "w").close()
@@ -210,7 +211,7 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
   def fail(src, dst):
     raise OSError(f"disk full moving {src} to {dst}")
 
-  monkeypatch.setattr(checkpoint.os, "rename", fail)
+  monkeypatch.setattr(os, "rename", fail)
   with pytest.raises(OSError, match="disk full"):
     checkpoint.save_checkpoint(tmp_path / "b", {"w": jnp.ones(2)})
   assert os.listdir(tmp_path) == []
@@ -458,3 +459,107 @@ def test_sharded_state_resumes_bitwise_with_the_template_shardings(eight_devices
   assert facts["bitwise"]
   assert facts["replicated_specs"] == ["()"]
   assert facts["replicated_same_values"]
+
+
+def _flip_one_bit_of_the_largest_data_file(path):
+  files = [os.path.join(root, name)
+           for root, _, names in os.walk(os.path.join(path, "state"))
+           for name in names if os.sep + "d" in root]
+  largest = max(files, key=os.path.getsize)
+  data = bytearray(open(largest, "rb").read())
+  data[len(data) // 2] ^= 4  # Inside the stored values, past any header.
+  with open(largest, "wb") as f:
+    f.write(bytes(data))
+
+
+def test_a_flipped_bit_in_a_leaf_is_refused_naming_the_leaf(tmp_path):
+  # The largest leaf's values are random, stored as they are: a flipped bit
+  # in them reads back as another value unless a checksum catches it.
+  tree = {"w": jax.random.normal(jax.random.key(0), (1000,)),
+          "b": jnp.ones(7, jnp.bfloat16), "step": 3}
+  checkpoint.save_checkpoint(tmp_path / "ckpt", tree)
+  assert checkpoint.restore_checkpoint(tmp_path / "ckpt", tree)["step"] == 3
+  _flip_one_bit_of_the_largest_data_file(tmp_path / "ckpt")
+  with pytest.raises(ValueError, match=r"leaf \['w'\] of .*ckpt does not "
+                     "match the checksum saved with it: the checkpoint is "
+                     "damaged"):
+    checkpoint.restore_checkpoint(tmp_path / "ckpt", tree)
+
+
+def test_a_checksum_is_the_same_for_any_split_of_the_array():
+  x = np.arange(24, dtype=np.float32).reshape(4, 6)
+  whole = digests._piece(x, (), x.shape, None)
+  parts = [digests._piece(x[r, c], (r, c), x.shape, None)
+           for r in (slice(0, 1), slice(1, 4)) for c in (slice(0, 5),
+                                                         slice(5, 6))]
+  assert sum(parts) % 2 ** 64 == whole
+  moved = x.copy()
+  moved[[0, 1]] = moved[[1, 0]]  # Same values, other places.
+  assert digests._piece(moved, (), x.shape, None) != whole
+  flipped = x.copy()
+  flipped.view(np.uint32)[2, 3] ^= 1
+  assert digests._piece(flipped, (), x.shape, None) != whole
+
+
+def test_a_save_stopped_between_its_renames_leaves_the_old_checkpoint_found(
+    tmp_path, monkeypatch):
+  path = tmp_path / "ckpt"
+  checkpoint.save_checkpoint(path, {"w": jnp.ones(2)})
+  rename = os.rename
+
+  def dies_after_moving_the_old_one(src, dst):
+    if os.path.basename(dst) == "ckpt":  # The new one's rename: never done.
+      raise KeyboardInterrupt("the process dies here")
+    rename(src, dst)
+
+  monkeypatch.setattr(os, "rename", dies_after_moving_the_old_one)
+  with pytest.raises(KeyboardInterrupt):
+    checkpoint.save_checkpoint(path, {"w": jnp.full(2, 2.)}, overwrite=True)
+  monkeypatch.setattr(os, "rename", rename)
+  assert not os.path.exists(path)  # The old one waits beside it:
+  template = {"w": jnp.zeros(2)}
+  assert checkpoint.restore_checkpoint(path, template)["w"].tolist() == [1, 1]
+  with pytest.raises(FileExistsError, match="overwrite=True"):
+    checkpoint.save_checkpoint(path, {"w": jnp.zeros(2)})
+  checkpoint.save_checkpoint(path, {"w": jnp.full(2, 3.)}, overwrite=True)
+  assert checkpoint.restore_checkpoint(path, template)["w"].tolist() == [3, 3]
+  assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_saving_inside_jit_asks_for_concrete_arrays(tmp_path):
+  @jax.jit
+  def step(w):
+    checkpoint.save_checkpoint(tmp_path / "ckpt", {"w": w})
+    return w
+
+  with pytest.raises(TypeError, match=r"save_checkpoint needs concrete "
+                     r"arrays, but leaf \['w'\] is a traced value .* inside "
+                     "jax.jit .* Call it outside jit"):
+    step(jnp.ones(2))
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/ckpt", "s3://bucket/run/step_1",
+                                 "gs:/bucket/ckpt"])
+def test_a_url_is_refused_before_anything_is_written(tmp_path, monkeypatch,
+                                                     url):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  scheme = url.split(":")[0]
+  words = f"{scheme}:// URL; mpolicy checkpoints go to a directory"
+  for path in (url, pathlib.Path(url)):  # pathlib makes gs:// gs:/.
+    with pytest.raises(ValueError, match=words):
+      checkpoint.save_checkpoint(path, {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=words):
+      checkpoint.restore_checkpoint(path, {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=words):
+      mpolicy.CheckpointManager(path)
+  assert os.listdir(tmp_path) == []
+
+
+def test_the_checkpoint_door_holds_the_flat_names():
+  from mpolicy import checkpoint as door  # pylint: disable=g-import-not-at-top
+  assert sorted(door.__all__) == ["CheckpointManager", "restore_checkpoint",
+                                  "save_checkpoint"]
+  for name in door.__all__:
+    assert getattr(door, name) is getattr(mpolicy, name)

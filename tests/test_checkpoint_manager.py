@@ -79,3 +79,34 @@ def test_a_bad_step_is_named(tmp_path, step, error):
   with pytest.raises(error, match=r"step must be a whole number >= 0; got"):
     manager.save(step, _tree(0))
   assert os.listdir(tmp_path) == []
+
+
+def test_a_step_whose_replacing_save_died_is_still_listed_and_restored(
+    tmp_path, monkeypatch):
+  manager = mpolicy.CheckpointManager(tmp_path, max_to_keep=2)
+  manager.save(5, _tree(5))
+  rename = os.rename
+
+  def dies_before_the_new_one_is_in(src, dst):
+    if os.path.basename(dst) == "step_5":
+      raise KeyboardInterrupt("the process dies here")
+    rename(src, dst)
+
+  monkeypatch.setattr(os, "rename", dies_before_the_new_one_is_in)
+  with pytest.raises(KeyboardInterrupt):
+    manager.save(5, _tree(6), overwrite=True)
+  monkeypatch.setattr(os, "rename", rename)
+  assert manager.all_steps() == [5]
+  assert manager.restore(_tree(0))["w"].tolist() == [5.] * 3
+  for step in (7, 8):
+    manager.save(step, _tree(step))
+  assert manager.all_steps() == [7, 8]
+  assert sorted(os.listdir(tmp_path)) == ["step_7", "step_8"]
+
+
+def test_a_url_is_refused(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match="gs:// URL; mpolicy checkpoints go "
+                     "to a directory"):
+    mpolicy.CheckpointManager("gs://bucket/run")
+  assert os.listdir(tmp_path) == []

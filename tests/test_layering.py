@@ -49,7 +49,7 @@ OWNERS = {
 # The interpreter layer, and the wings it must never reach.
 INTERPRETER = ("interpreter", "amp", "higher_order", "rules", "rules.*")
 WINGS = ("*_bridge", "module_calls", "class_lookup", "training",
-         "training.*", "checkpoint*", "processes", "explain", "fp8_stats",
+         "training.*", "checkpoint*", "explain", "fp8_stats",
          "loss_scale*", "distributed")
 
 
@@ -283,7 +283,7 @@ def test_the_walk_sees_every_module_and_its_imports(graph):
   assert {"distributed", "training", "training._trees",
           "training.attribution"} <= set(graph["training.scaling"].imports)
   assert set(graph["haiku_bridge"].packages) >= {"haiku", "warnings"}
-  assert graph["checkpoint_files"].packages["orbax"] > 1  # A line number.
+  assert graph["checkpoint.disk"].packages["orbax"] > 1  # A line number.
   # The lazy names of the public package are not imports.
   assert "haiku_bridge" not in graph[_PUBLIC].imports
 
@@ -308,7 +308,7 @@ def test_each_optional_package_is_imported_only_by_its_owners(graph):
                          if package in module.packages}
                for package in OWNERS}
   assert importers["haiku"] == {"haiku_bridge"}
-  assert importers["orbax"] == {"checkpoint_files"}
+  assert importers["orbax"] == {"checkpoint.disk"}
   assert importers["flax"] == {"flax_bridge", "nnx_bridge"}
   assert importers["equinox"] == set()
   assert {"training.skipping", "training.train_step"} <= importers["optax"]

@@ -1,24 +1,8 @@
-"""The leaves of a checkpoint: what each one is, how it is written, how
-it comes back.
-
-A leaf is a JAX array (typed PRNG keys included), a numpy array or
-scalar, or a Python number; a template may also hold
-`jax.ShapeDtypeStruct`s. Numpy values and Python numbers are host values:
-the checkpoint's metadata names their kind, so that a template that only
-knows shapes (`jax.eval_shape`'s) gets them back as they were saved.
-
-In a run of several processes, a leaf that each process holds whole (a
-host value, or a JAX array on the process's own devices, such as a loss
-scale made with `jnp` before the first step) is one value that every
-process must agree on: `digest` compares them, and `to_global` makes such
-an array one global array, replicated on every device, that orbax writes
-once.
-"""
-
-from __future__ import annotations
+"""The leaves of a checkpoint: JAX arrays (typed keys included), numpy
+values and Python numbers (host values, which a `jax.eval_shape` template
+gets back as saved), and in a template `jax.ShapeDtypeStruct`s."""
 
 import functools
-import hashlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -35,11 +19,16 @@ def is_key(x: Any) -> bool:
 
 def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
   """`(dtype, shape)` of a leaf; a `TypeError` naming it if unsupported."""
+  if isinstance(leaf, jax.core.Tracer):
+    raise TypeError(
+        f"{what} needs concrete arrays, but leaf {key} is a traced value "
+        f"({type(leaf).__name__}): it was called inside jax.jit (or grad, "
+        "vmap, scan). Call it outside jit, on the arrays the jitted step "
+        "returns.")
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
-                       *_NUMBERS)):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:  # A Python number: the dtype JAX gives it.
-      dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
+                       *_NUMBERS)):  # A number: the dtype JAX gives it.
+    dtype = getattr(leaf, "dtype", None) or jax.dtypes.canonicalize_dtype(
+        np.result_type(type(leaf)))
     return str(dtype), [int(d) for d in np.shape(leaf)]
   raise TypeError(
       f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
@@ -63,32 +52,15 @@ def flatten(tree: Any, what: str):
 
 def host_kind(leaf: Any) -> Optional[str]:
   """How a host value was saved: numpy array or scalar, or which number."""
-  if isinstance(leaf, np.ndarray):
-    return "ndarray"
-  if isinstance(leaf, np.generic):
-    return "generic"
-  if isinstance(leaf, _NUMBERS):
-    return type(leaf).__name__
-  return None
+  kinds = ((np.ndarray, "ndarray"), (np.generic, "generic"),
+           (_NUMBERS, type(leaf).__name__))
+  return next((kind for t, kind in kinds if isinstance(leaf, t)), None)
 
 
 def held_whole(leaf: Any) -> bool:
   """Whether each process holds the whole leaf (in a multi-process run)."""
-  if isinstance(leaf, jax.Array):
-    return leaf.is_fully_addressable
-  return host_kind(leaf) is not None
-
-
-def digest(leaf: Any) -> str:
-  """A digest of a leaf's dtype, shape and bytes (a key's data and impl)."""
-  extra = ""
-  if is_key(leaf):
-    extra = str(jax.random.key_impl(leaf))
-    leaf = jax.random.key_data(leaf)
-  data = np.ascontiguousarray(np.asarray(leaf))
-  h = hashlib.sha256(f"{data.dtype}{data.shape}{extra}".encode())
-  h.update(data.tobytes())
-  return h.hexdigest()[:20]
+  return (leaf.is_fully_addressable if isinstance(leaf, jax.Array)
+          else host_kind(leaf) is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +71,8 @@ def replicated() -> jax.sharding.NamedSharding:
 
 
 def to_global(leaf: jax.Array) -> jax.Array:
-  """A leaf each process holds whole, as one array on every device."""
+  """A leaf each process holds whole, as one array on every device (so
+  that orbax writes it once)."""
   sharding = replicated()
   mine = [d for d in sharding.mesh.devices.flat
           if d.process_index == jax.process_index()]  # In the mesh's order.
@@ -108,28 +81,23 @@ def to_global(leaf: jax.Array) -> jax.Array:
 
 
 def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
-  """Whether a host value saved in `saved_dtype` cannot fill the abstract
-  template leaf (whose dtype JAX canonicalized: float64 -> float32 without
-  x64)."""
-  want = np.dtype(template.dtype)
-  return jax.dtypes.canonicalize_dtype(np.dtype(saved_dtype)) != want
+  """Whether a host value saved in `saved_dtype` cannot fill an abstract
+  leaf (whose dtype JAX canonicalized: float64 -> float32 without x64)."""
+  return jax.dtypes.canonicalize_dtype(saved_dtype) != template.dtype
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
                    saved_sharding: Callable[[], Any]) -> Any:
-  """What orbax restores `leaf` from: its shape, dtype and sharding.
-
-  A `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
-  where that is None, `replicated()`.
-  """
+  """What orbax restores `leaf` from: its shape, dtype and sharding. A
+  `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
+  where that is None, `replicated()`."""
   if isinstance(leaf, np.generic):
     return np.asarray(leaf)
   if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
     if kind is not None:
       return np.zeros(leaf.shape, np.dtype(saved_dtype))  # Back as saved.
-    struct = lambda s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                            sharding=s,
-                                            weak_type=leaf.weak_type)
+    struct = lambda s: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
     try:
       return struct(saved_sharding() or replicated())
     except ValueError:  # Saved for another rank (orbax pads scalars' specs).
@@ -139,47 +107,31 @@ def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
   return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
 
 
-def _as_saved(value: Any, kind: str) -> Any:
-  value = np.asarray(value)
-  if kind == "ndarray":
-    return value
-  if kind == "generic":
-    return value[()]
-  return {"bool": bool, "int": int, "float": float}[kind](value.item())
-
-
-def _uncommitted(x: jax.Array) -> jax.Array:
-  """`x` as a fresh `jnp` array is: on the default device, free to move
-  beside sharded arguments of `jit`."""
-  if is_key(x):
-    return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
-                                    impl=jax.random.key_impl(x))
-  return jnp.asarray(np.asarray(x))
-
-
 def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
   """The restored leaf, of the kind the template leaf is."""
+  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
+      and kind is not None):  # Back as saved.
+    template = {"ndarray": np.zeros(0), "generic": np.float32(0),
+                "bool": False, "int": 0, "float": 0.}[kind]
   if isinstance(template, _NUMBERS):
     return type(template)(np.asarray(restored).item())
-  if isinstance(template, np.generic):
-    return np.asarray(restored)[()]
-  if isinstance(template, np.ndarray):
-    return np.asarray(restored)
-  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
-      and kind is not None):
-    return _as_saved(restored, kind)
+  if isinstance(template, (np.generic, np.ndarray)):
+    value = np.asarray(restored)
+    return value[()] if isinstance(template, np.generic) else value
   sharding = getattr(template, "sharding", None)
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
     restored = jnp.asarray(restored, template.dtype)
     if sharding is not None:
       restored = jax.device_put(restored, sharding)
   if (isinstance(template, jax.Array) and not template.committed
-      and jax.device_count() > 1):
-    restored = _uncommitted(restored)
+      and jax.device_count() > 1):  # Free, as a fresh array, to join others.
+    restored = jax.random.wrap_key_data(
+        np.asarray(jax.random.key_data(restored)),
+        impl=jax.random.key_impl(restored)) if is_key(restored) else (
+            jnp.asarray(np.asarray(restored)))
   if (getattr(template, "weak_type", False) and restored.ndim == 0
       and not is_key(restored)):
-    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed,
-    # so it promotes as the saved one did.
+    # A weakly typed scalar (`jnp.asarray(1e-3)`) comes back weakly typed.
     weak = jnp.asarray(np.asarray(restored).item())
     if weak.dtype == restored.dtype:
       restored = (jax.device_put(weak, restored.sharding) if restored.committed

@@ -1,0 +1,6 @@
+"""Checkpoints on orbax, with what orbax leaves out: agreement and timeouts
+across processes, per-leaf checksums, and checks against a template."""
+
+from mpolicy._src.checkpoint.manager import CheckpointManager
+from mpolicy._src.checkpoint.restore import restore_checkpoint
+from mpolicy._src.checkpoint.save import save_checkpoint

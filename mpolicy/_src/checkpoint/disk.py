@@ -1,0 +1,178 @@
+"""A checkpoint on disk: where it goes, and orbax reading and writing it.
+
+orbax's `Checkpointer` writes `state` (the leaves by `keystr` path) and
+`meta` (JSON) and commits them into a scratch directory beside the path;
+`place` renames that to the path, after moving a replaced checkpoint to
+`old_path`, where `locate` finds it if the process dies in between. In
+several processes orbax's barriers are the coordination service's, with a
+timeout, and each process reads what its devices hold without waiting.
+"""
+
+import contextlib
+import gc
+import logging
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+import warnings
+
+import jax
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/")
+# orbax's synchronous save shares state between a process's threads.
+_LOCK = threading.Lock()
+
+
+def local_path(path: Any, what: str) -> str:
+  """`path` made absolute; an error for what is not a local path."""
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"{what}: path must be a directory path (a str or an "
+                    f"os.PathLike), got {type(path).__name__} {path!r:.80}.")
+  url = _URL.match(str(os.fspath(path)))
+  if url:
+    raise ValueError(
+        f"{what}: {os.fspath(path)} is a {url.group(1)}:// URL; mpolicy "
+        "checkpoints go to a directory on a file system (shared by every "
+        "process). Mount the bucket (e.g. with gcsfuse) and pass the "
+        "mounted path, or save with orbax directly.")
+  return os.path.abspath(os.fspath(path))
+
+
+def old_path(path: str) -> str:
+  parent, name = os.path.split(path)
+  return os.path.join(parent, f".{name}.mpolicy-old")
+
+
+def locate(path: str) -> Optional[str]:
+  """The checkpoint at `path`, or the one a replacing save left aside."""
+  return next((p for p in (path, old_path(path)) if os.path.lexists(p)), None)
+
+
+def scratch(path: str, overwrite: bool, what: str) -> str:
+  """A new directory beside `path`, free unless `overwrite`."""
+  if locate(path) and not overwrite:
+    raise FileExistsError(f"{what}: {path} already exists; pass "
+                          "overwrite=True to replace it, or choose a new path.")
+  parent, name = os.path.split(path)
+  os.makedirs(parent, exist_ok=True)
+  return tempfile.mkdtemp(prefix=f".{name}.", suffix=".mpolicy-tmp",
+                          dir=parent)
+
+
+def place(staged: str, path: str, overwrite: bool, what: str) -> None:
+  """Renames the committed `staged` to `path` (replacing it if asked)."""
+  old = old_path(path)
+  if overwrite and os.path.lexists(path):
+    shutil.rmtree(old, ignore_errors=True)  # An earlier save's; path is newer.
+    os.rename(path, old)
+  try:
+    os.rename(staged, path)  # Atomic; refuses a non-empty directory.
+  except OSError as e:
+    if not os.path.lexists(path):
+      raise
+    raise FileExistsError(f"{what}: {path} was created by another save "
+                          "while this one ran; it is left as that one wrote "
+                          "it.") from e
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def _checkpointer(group, *, alone: bool):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if group.count == 1:
+    return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  options = ocp.options.MultiprocessingOptions(
+      primary_host=0, barrier_sync_key_prefix=group.tag,
+      active_processes={group.index} if alone else set(range(group.count)))
+  return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+      state=ocp.StandardCheckpointHandler(multiprocessing_options=options),
+      meta=ocp.JsonCheckpointHandler(multiprocessing_options=options),
+      composite_options=ocp.CompositeOptions(multiprocessing_options=options)),
+                               multiprocessing_options=options)
+
+
+def write(path: str, flat: dict, meta: dict, group) -> None:
+  ocp, checkpointer = _checkpointer(group, alone=False)
+  with _LOCK, checkpointer:
+    checkpointer.save(path, ocp.args.Composite(
+        state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
+
+
+def read_meta(path: str, group, what: str) -> Any:
+  ocp, checkpointer = _checkpointer(group, alone=True)
+  with _LOCK, checkpointer:
+    try:
+      return checkpointer.restore(path, ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # orbax raises many kinds; one is documented.
+      raise ValueError(f"{what}: {path} is not a readable mpolicy checkpoint "
+                       f"(its metadata could not be read: {e!r:.300}).") from e
+
+
+def saved_shardings(path: str) -> dict[str, Any]:
+  """Each array's sharding as saved, where it spans devices of every
+  process there are now (else None)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  handler, out = ocp.StandardCheckpointHandler(), {}
+  try:
+    tree = handler.metadata(pathlib.Path(path) / "state").tree
+  finally:
+    handler.close()
+  for key, leaf in tree.items():
+    try:  # None saved, or its devices are gone: None.
+      sharding = leaf.sharding.to_jax_sharding()
+      processes = {d.process_index for d in sharding.device_set}
+      out[key] = sharding if len(processes) == jax.process_count() else None
+    except Exception:  # pylint: disable=broad-except
+      out[key] = None
+  return out
+
+
+def read_state(path: str, target: dict, group, what: str) -> dict:
+  """The arrays of `target`, each restored to its sharding."""
+  ocp, checkpointer = _checkpointer(group, alone=True)
+  with _LOCK, _quiet(), checkpointer:
+    try:
+      return checkpointer.restore(path, ocp.args.Composite(
+          state=ocp.args.StandardRestore(target))).state
+    except Exception as e:  # orbax raises many kinds; one is documented.
+      failure = e
+    message = (f"{what}: the arrays of {path} could not be read "
+               f"({failure!r:.300}); the checkpoint is damaged.")
+    error = failure  # Drop its frames, then collect what only they held.
+    while error is not None:
+      error.__traceback__, error = None, error.__cause__ or error.__context__
+    for _ in range(4):  # Let the reads in flight finish.
+      time.sleep(0.05)
+      gc.collect()
+  raise ValueError(message) from failure
+
+
+@contextlib.contextmanager
+def _quiet():
+  """Silences what a failed orbax read leaves: the reads in flight report
+  to the event loop it closed, and other tasks' errors go unretrieved or
+  are never awaited, each printing a traceback (often at exit)."""
+  logger, previous = logging.getLogger("asyncio"), sys.unraisablehook
+  unretrieved = lambda r: "exception was never retrieved" not in r.getMessage()
+
+  def hook(unraisable):
+    if "Event loop is closed" not in str(unraisable.exc_value):
+      previous(unraisable)
+
+  logger.addFilter(unretrieved)
+  sys.unraisablehook = hook
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message="coroutine .* never awaited",
+                              category=RuntimeWarning)
+      yield
+  finally:
+    sys.unraisablehook = previous if sys.unraisablehook is hook else (
+        sys.unraisablehook)
+    logger.removeFilter(unretrieved)

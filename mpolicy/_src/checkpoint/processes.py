@@ -1,0 +1,90 @@
+"""The steps that the processes of a `jax.distributed` run take together.
+
+Each step of a checkpoint call runs through `Processes.step`: every process
+does its part and posts, to `jax.distributed`'s key-value store, whether it
+failed and what the others need to see. If one failed, all raise, so none
+goes on alone into a write or a barrier; one that does not post within
+`TIMEOUT_S` makes the others raise `TimeoutError`. Calls are matched by
+their order. In one process a step just runs.
+"""
+
+import itertools
+import json
+from typing import Any, Callable
+
+import jax
+
+from mpolicy._src import jax_compat
+
+TIMEOUT_S = 300
+# Errors rebuilt with their type where they did not happen (else RuntimeError).
+_REBUILT = {e.__name__: e for e in (
+    TypeError, ValueError, FileExistsError, FileNotFoundError, OSError,
+    PermissionError, TimeoutError, RuntimeError)}
+_calls = itertools.count()
+
+
+class Processes:
+  """This run's processes, for one call of `what`: `count`, `index`,
+  `primary` (process 0, which writes what is written once) and `tag` (the
+  same on every process, unique to the call)."""
+
+  def __init__(self, what: str):
+    self.what, self.count = what, jax.process_count()
+    self.index = jax.process_index()
+    self.primary, self.tag, self._round = self.index == 0, "mpolicy", 0
+    self._client = None if self.count == 1 else jax_compat.distributed_client()
+    if self.count > 1 and self._client is None:
+      raise RuntimeError(
+          f"{what}: JAX runs in {self.count} processes, but jax.distributed "
+          "is not initialized; call jax.distributed.initialize() at the "
+          "start of every process.")
+    if self._client is not None:
+      self._call = next(_calls)
+      self.tag = f"mpolicy_{self._call}"
+      try:  # Every process has left call - 2: its keys can go.
+        self._client.key_value_delete(f"mpolicy/{self._call - 2}")
+      except Exception:  # pylint: disable=broad-except
+        pass  # None, or another process deleted them first.
+
+  def step(self, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list]:
+    """Runs `work` (giving `(result, shared)`, `shared` JSON) here and
+    returns `(result, [each process's shared])`, raising what `work` raised
+    here or, with its type and message, on another process."""
+    try:
+      (result, shared), error = work(), None
+    except Exception as e:  # pylint: disable=broad-except
+      if self._client is None:
+        raise
+      result, shared, error = None, None, e
+    if self._client is None:
+      return result, [shared]
+    posts = self._exchange({"error": error and [type(error).__name__,
+                                                str(error)], "shared": shared})
+    if error is not None:
+      raise error
+    for i, post in enumerate(posts):
+      if post["error"]:
+        name, message = post["error"]
+        raise _REBUILT.get(name, RuntimeError)(
+            f"{message} [raised on process {i} of {self.count}; every "
+            "process stopped]")
+    return result, [post["shared"] for post in posts]
+
+  def _exchange(self, post: dict) -> list[dict]:
+    key = f"mpolicy/{self._call}/{self._round}"
+    self._round += 1
+    text = json.dumps(post)
+    self._client.key_value_set(f"{key}/{self.index}", text)
+    posts = []
+    for i in range(self.count):
+      try:  # Its own post too read back from JSON, as the others'.
+        posts.append(json.loads(text if i == self.index else
+                                self._client.blocking_key_value_get(
+                                    f"{key}/{i}", TIMEOUT_S * 1000)))
+      except Exception as e:  # pylint: disable=broad-except
+        raise TimeoutError(
+            f"{self.what}: process {i} of {self.count} did not reach this "
+            f"step within {TIMEOUT_S} s ({e}). Every process must make the "
+            "same calls, in the same order.") from e
+    return posts
