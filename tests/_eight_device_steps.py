@@ -17,9 +17,6 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8")
-
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
@@ -82,4 +79,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  # Before JAX makes its CPU client (on first use, in main), not at import:
+  # pytest's doctest collection imports this file into its own process.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
   main()

@@ -136,10 +136,8 @@ def _scan3(stepper, eqn, invals):
   """A scan3 loop: its body per iteration, its carries in references (the
   operands that are not scanned over), its outputs stacked."""
   obj = _hj.hi_object(eqn)
-  params = _hj.construct_params(obj)
-  length, reverse = params["length"], params["reverse"]
+  length, reverse, scanned = _hj.scan_loop(obj)
   body = _hj.scan_body(obj)
-  scanned = list(params["extensives"])
   reads = stepper.outs_read
   rows: list = [None] * length
   for i in _iterations(length, reverse):

@@ -144,6 +144,13 @@ def scan_body(obj) -> jex_core.ClosedJaxpr:
   return _closed(obj.jaxpr)
 
 
+def scan_loop(obj) -> tuple[int, bool, list]:
+  """A ``Scan3``'s ``(length, reverse, scanned)``: ``scanned[i]`` says
+  whether operand ``i`` is sliced per iteration (else a carry or const)."""
+  params = construct_params(obj)
+  return params["length"], params["reverse"], list(params["extensives"])
+
+
 def scan_rebuild(obj, body: jex_core.ClosedJaxpr) -> tuple[Any, list]:
   """A ``Scan3`` running ``body``; its consts become leading operands (not
   scanned over). Returns the new object and the consts to prepend."""
