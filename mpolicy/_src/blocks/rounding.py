@@ -61,5 +61,6 @@ def round_to_grid(y: jax.Array, fmt: BlockFormat,
   lo, hi = g[i], g[jnp.minimum(i + 1, g.size - 1)]
   up = u.astype(jnp.float32) * (hi - lo) < a - lo
   magnitude = jnp.where(up, hi, lo)
-  return jnp.where(jnp.signbit(y), -magnitude, magnitude).astype(
-      fmt.element_dtype)
+  # copysign, not where(signbit(y), -m, m): XLA on CPU gave zeros the
+  # opposite sign for the latter (jax 0.12).
+  return jnp.copysign(magnitude, y).astype(fmt.element_dtype)
