@@ -15,6 +15,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax
@@ -74,7 +75,7 @@ def _as_float32(x: Any) -> jax.Array:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"block quantization needs a floating array, got dtype "
                     f"{x.dtype.name}: cast it to float32 (or bfloat16) first.")
-  return float32_ops.flush(x.astype(jnp.float32))
+  return x.astype(jnp.float32)
 
 
 def quantize_blocks(x: Any, fmt: Any, axis: int = -1, *,
@@ -109,6 +110,15 @@ def quantize_blocks(x: Any, fmt: Any, axis: int = -1, *,
                      f"{fmt.name} uses blocks of {fmt.block_size} along axis.")
   x = _as_float32(x)
   layout = Layout.of(x.shape, axis, fmt.block_size, two_d)
+  return _quantize(x, key, fmt, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _quantize(x: jax.Array, key: Optional[jax.Array], fmt: BlockFormat,
+              layout: Layout) -> BlockQuantized:
+  """`quantize_blocks` after its checks, compiled once per shape."""
+  two_d = layout.two_d
+  x = float32_ops.flush(x)
   blocks = layout.split(x)
   u = None
   if key is not None:
@@ -133,6 +143,11 @@ def dequantize_blocks(q: BlockQuantized) -> jax.Array:
   if not isinstance(q, BlockQuantized):
     raise TypeError("dequantize_blocks expects what quantize_blocks returns, "
                     f"got {type(q).__name__}.")
+  return _dequantize(q)
+
+
+@jax.jit
+def _dequantize(q: BlockQuantized) -> jax.Array:
   layout = q.layout
   elements = layout.split(q.elements)
   grid = layout.scales_to_grid(q.scales)
