@@ -23,7 +23,7 @@ ValueError: Unknown block format 'mxfp9': expected one of 'mxfp8', 'mxfp4', 'nvf
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -86,6 +86,15 @@ FORMATS: dict[str, BlockFormat] = {
     "nvfp4": BlockFormat("nvfp4", "float4_e2m1fn", 16, 6.0, True),
 }
 NAMES = tuple(FORMATS)
+
+
+def format_of(dtype: Any) -> Optional[str]:
+  """The block format's name if ``dtype`` is a `BlockFormat`, else ``None``.
+
+  >>> format_of(FORMATS["mxfp4"]), format_of(np.float32)
+  ('mxfp4', None)
+  """
+  return dtype.name if isinstance(dtype, BlockFormat) else None
 
 
 def get_format(fmt: Any) -> BlockFormat:
