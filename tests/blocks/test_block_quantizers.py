@@ -218,3 +218,20 @@ def test_bfloat16_input_and_pytree():
   back = jax.tree_util.tree_unflatten(tree, leaves)
   _same(mpolicy.dequantize_blocks(back), mpolicy.dequantize_blocks(q), "pytree")
   assert q.elements.dtype == np.dtype(ml_dtypes.float4_e2m1fn)
+
+
+def test_nvfp4_near_ties_divide_correctly_rounded():
+  # Values at simple ratios to their block's amax put x / d within a float32
+  # step of a tie of e2m1's grid (6.65625 / 1.9017857 is 3.5 correctly
+  # rounded); XLA's rewrite of a division by a broadcast value into a
+  # product with its reciprocal gives 3.4999998 there, and e2m1 then 3.
+  rng = np.random.default_rng(6)
+  ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+  amax = rng.uniform(0.5, 200, (512, 1)).astype(ml_dtypes.bfloat16)
+  sel = ties[rng.integers(0, 8, (512, 16))]
+  sel[:, 0] = 6.0
+  x = (amax.astype(np.float32) * sel / 6).astype(ml_dtypes.bfloat16)
+  x = x.astype(np.float32)
+  x[0, 0] = 250.0
+  check(x, "nvfp4")
+  check(x, "nvfp4", jit=True)

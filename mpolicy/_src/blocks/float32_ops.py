@@ -6,6 +6,9 @@ explicit (`flush`), so their results are the same on every backend: a
 subnormal float32 input counts as a zero of its sign, and so does a
 subnormal result.
 
+Division is correctly rounded (`divide`), which XLA's own rewriting of a
+division by a broadcast value is not.
+
 Scaling by ``2**k`` for ``k`` in [-127, 127] is two multiplications by
 normal powers of two (``2**-127`` itself is subnormal), exact unless the
 result leaves float32's normal range.
@@ -43,6 +46,18 @@ def mul_pow2(v: jax.Array, k: jax.Array) -> jax.Array:
   """``v * 2**k`` (int32 ``k`` in [-127, 127]), flushed; exact otherwise."""
   half = k // 2
   return flush(v * pow2(half) * pow2(k - half))
+
+
+def divide(x: jax.Array, d: jax.Array) -> jax.Array:
+  """``x / d`` correctly rounded, ``d`` broadcast to ``x``'s shape, flushed.
+
+  XLA rewrites a division by a broadcast value into a multiplication by its
+  reciprocal, which can land one float32 step off (6.65625 / 1.9017857
+  gives 3.4999998, not 3.5, and e2m1 then rounds to 3, not 4). The
+  divisor goes through an optimization barrier, so XLA sees a full array.
+  """
+  d = lax.optimization_barrier(jnp.broadcast_to(d, x.shape))
+  return flush(x / d)
 
 
 def saturate(v: jax.Array) -> jax.Array:

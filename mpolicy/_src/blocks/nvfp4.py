@@ -61,11 +61,11 @@ def quantize(blocks: jax.Array, g: jax.Array,
   finite = jnp.all(jnp.isfinite(blocks), axis=-1)
   safe = jnp.where(finite[..., None], blocks, np.float32(0))
   amax = jnp.max(jnp.abs(safe), axis=-1)
-  t = float32_ops.flush(float32_ops.flush(amax * INV_6) / g)
+  t = float32_ops.divide(float32_ops.flush(amax * INV_6), g)
   s = jnp.minimum(t, np.float32(448)).astype(_SCALE_DTYPE)
   d = _step(s, g)
   zero = d == 0
-  y = float32_ops.flush(safe / jnp.where(zero, np.float32(1), d)[..., None])
+  y = float32_ops.divide(safe, jnp.where(zero, np.float32(1), d)[..., None])
   y = jnp.where(zero[..., None], safe * np.float32(0), y)
   elements = rounding.round_to_grid(y, _FMT, u)
   elements = jnp.where(finite[..., None], elements,
