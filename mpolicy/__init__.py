@@ -73,6 +73,11 @@ from mpolicy._src.training.attribution import nonfinite_flags
 from mpolicy._src.training.attribution import nonfinite_paths
 from mpolicy._src.training.stochastic_rounding import stochastic_round
 
+from mpolicy._src.blocks.quantize import BlockQuantized
+from mpolicy._src.blocks.quantize import dequantize_blocks
+from mpolicy._src.blocks.quantize import fake_quantize
+from mpolicy._src.blocks.quantize import quantize_blocks
+
 # The names below need a package beyond JAX and numpy. Each is imported on
 # first use (see `__getattr__`), so `import mpolicy` loads none of those
 # packages; type checkers and IDEs read the imports here.
@@ -141,6 +146,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulationCheck",
+    "BlockQuantized",
     "CheckpointManager",
     "DEFAULT_RULES",
     "DynamicLossScale",
@@ -171,8 +177,10 @@ __all__ = (
     "clear_policy",
     "compare_to_float32",
     "current_policy",
+    "dequantize_blocks",
     "explain",
     "explain_policy",
+    "fake_quantize",
     "Fp8Report",
     "fp8_stats",
     "full_precision",
@@ -188,6 +196,7 @@ __all__ = (
     "params_from_master",
     "policy_for",
     "push_policy",
+    "quantize_blocks",
     "restore_checkpoint",
     "save_checkpoint",
     "scaled_value_and_grad",

@@ -6,7 +6,9 @@ strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
 The compute dtype may also be float8 (`float8_e4m3fn`, written `f8`): then
 matmuls and convolutions run in float8 with per-tensor scales (see `rules.fp8_scaling`),
 and everything else runs as under a bfloat16 compute dtype
-(`elementwise_dtype`).
+(`elementwise_dtype`). The block-scaled formats `mxfp8`, `mxfp4` and
+`nvfp4` are compute dtypes too (a `BlockFormat` in `compute_dtype`): they
+go where float8 goes, quantized in blocks (see `blocks.quantize`).
 
 >>> policy = get_policy("p=f32,c=bf16,o=f32")
 >>> policy.cast_to_compute({"x": jnp.ones(2)})["x"].dtype
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import dtypes
+from mpolicy._src.blocks import formats as block_formats
 
 T = TypeVar("T")
 
@@ -50,7 +53,8 @@ _KEYS = {"p": "param", "params": "param",
 
 _VALID_KEYS = "params|p, compute|c, output|o"
 _VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, "
-                 "f64|float64, f8|float8|e4m3|float8_e4m3fn (compute only)")
+                 "f64|float64, f8|float8|e4m3|float8_e4m3fn (compute only), "
+                 f"{'|'.join(block_formats.NAMES)} (block-scaled, compute only)")
 
 # The float8 compute dtype, and the dtype every op other than a matmul or a
 # convolution runs in under it.
@@ -70,6 +74,9 @@ def is_fp8(dtype: Any) -> bool:
   >>> import jax.numpy as jnp
   >>> is_fp8(jnp.float8_e4m3fn), is_fp8(jnp.bfloat16)
   (True, False)
+
+  A block format (`mxfp8`, `mxfp4`, `nvfp4`) counts as float8: its
+  ``dtype`` is float8_e4m3fn, and it goes where float8 goes.
 
   See also: `elementwise_dtype`.
   """
@@ -137,6 +144,8 @@ def dtype_name(dtype: Any) -> str:
 
   See also: `get_policy`, which reads these names back.
   """
+  if isinstance(dtype, block_formats.BlockFormat):
+    return dtype.name
   dt = np.dtype(dtype)
   return _SHORT_NAME.get(dt, dt.name)
 
@@ -154,6 +163,14 @@ def _cast_floating(tree: T, dtype: Any) -> T:
 
 
 def _as_float_dtype(value: Any, field: str) -> np.dtype:
+  if isinstance(value, block_formats.BlockFormat):
+    if field != "compute_dtype":
+      raise ValueError(
+          f"Policy.{field} cannot be {value.name}: a block-scaled format is "
+          "only a compute dtype (its values need their block scales, which "
+          f"stored params and outputs would not carry). Use e.g. "
+          f"'p=f32,c={value.name},o=bf16'.")
+    return value.dtype
   try:
     dt = np.dtype(value)
   except TypeError as e:
@@ -210,15 +227,22 @@ class Policy:
   output_dtype: Any
 
   def __post_init__(self):
+    if isinstance(self.compute_dtype, str) and (
+        self.compute_dtype in block_formats.FORMATS):
+      object.__setattr__(self, "compute_dtype",
+                         block_formats.FORMATS[self.compute_dtype])
     key = tuple(_as_float_dtype(getattr(self, field), field)
                 for field in ("param_dtype", "compute_dtype", "output_dtype"))
+    # A block format's dtype is float8_e4m3fn: its name tells c=mxfp8 from
+    # c=f8 (and from each other).
+    key += (block_formats.format_of(self.compute_dtype),)
     # The dtypes, normalised once: a deep model compares and hashes its
     # policies tens of thousands of times per trace.
     object.__setattr__(self, "_dtypes", key)
     object.__setattr__(self, "_hash", hash(key))
 
   def _key(self) -> tuple[np.dtype, np.dtype, np.dtype]:
-    return self._dtypes
+    return self._dtypes[:3]
 
   def __eq__(self, other):
     if self is other:
@@ -236,10 +260,12 @@ class Policy:
 
   def __repr__(self):
     p, c, o = (dt.name for dt in self._key())
+    c = dtype_name(self.compute_dtype) if self._dtypes[3] else c
     return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o})"
 
   def __str__(self):
     p, c, o = (dtype_name(dt) for dt in self._key())
+    c = dtype_name(self.compute_dtype) if self._dtypes[3] else c
     return f"p={p},c={c},o={o}"
 
   def cast_to_param(self, tree: T) -> T:
@@ -378,6 +404,8 @@ def cast_to_half(tree: T) -> T:
 def _parse_dtype(name: str, part: str, spec: str) -> Any:
   if name == "half":
     return half_dtype()
+  if name in block_formats.FORMATS:
+    return block_formats.FORMATS[name]
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
@@ -389,9 +417,9 @@ def _parse_dtype(name: str, part: str, spec: str) -> Any:
 
 def _reject_fp8_storage(name: str, part: str, spec: str):
   raise ValueError(
-      f"float8 {name!r} in part {part!r} of policy {spec!r} is only a "
-      "compute dtype: params and outputs need a dtype that holds values "
-      "without a per-tensor scale (e.g. 'p=f32,c=f8,o=bf16'). Valid dtype "
+      f"{name!r} in part {part!r} of policy {spec!r} is only a compute "
+      "dtype (float8 or block-scaled): params and outputs need a dtype that "
+      "holds values without a scale (e.g. 'p=f32,c=f8,o=bf16'). Valid dtype "
       f"names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}.")
 
 
@@ -417,6 +445,9 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   `f8|float8|e4m3|float8_e4m3fn` is a compute dtype only (`c=f8`): matmuls
   and convolutions then run in float8 with per-tensor scales, everything
   else in bfloat16, and an unset output is bfloat16. `str` writes it `f8`.
+  So are the block-scaled formats `mxfp8`, `mxfp4` and `nvfp4`: the matmuls
+  float8 would take run with both operands quantized in blocks along the
+  contracting dimension.
 
   >>> str(get_policy("c=bf16"))
   'p=f32,c=bf16,o=bf16'
@@ -424,6 +455,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   'p=f32,c=f16,o=f32'
   >>> str(get_policy("c=e4m3"))
   'p=f32,c=f8,o=bf16'
+  >>> str(get_policy("p=f32,c=nvfp4"))
+  'p=f32,c=nvfp4,o=bf16'
 
   Args:
     spec: a policy string, a `Policy` (returned as is) or a `jmp.Policy`

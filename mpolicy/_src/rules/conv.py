@@ -318,6 +318,11 @@ def _conv_sizes(eqn) -> tuple[int, int, int]:
 
 def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   """The float8 convolution, where `fp8_placement.admit` lets it run."""
+  name = fp8_placement.low_precision_name(op)
+  if name != op.fp8_dtype.name:
+    op.note = (f", not {name}: block formats cover matmuls (dot_general), "
+               "not convolutions")
+    return None
   admitted = fp8_placement.admit(op, "convolution", _conv_sizes(op.eqn),
                                  FP8_REASON)
   if admitted is None:

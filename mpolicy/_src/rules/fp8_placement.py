@@ -21,6 +21,7 @@ from typing import Optional
 import jax
 
 from mpolicy._src import jax_compat
+from mpolicy._src.blocks import formats
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_probe
@@ -127,6 +128,14 @@ def _size_text(size: int) -> str:
   return f"{root}^3" if root > 1 and root ** 3 == size else f"{size:,}"
 
 
+def low_precision_name(op) -> str:
+  """What the op's low precision is called in `explain`: the block format
+  (``mxfp8``, ...) under one, else the float8 dtype's name."""
+  policy = None if op.region is None else op.region.policy
+  name = None if policy is None else formats.format_of(policy.compute_dtype)
+  return name or op.fp8_dtype.name
+
+
 def declines(op, options: Fp8Options, dims: tuple[int, ...],
              operands) -> bool:
   """Whether ``op`` stays out of float8; if so, says why in ``op.note``.
@@ -137,7 +146,7 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
     dims: the product's sizes, e.g. ``(M, K, N)`` or ``(B, M, K, N)``.
     operands: the op's operands as the rule received them.
   """
-  dtype = op.fp8_dtype.name
+  dtype = low_precision_name(op)
   env = op.env
   if options.matmuls == "weights" and not any(
       env.is_param(a) or env.is_param(env.wider_source(a)) for a in operands):
@@ -172,7 +181,7 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
   saved), the result dtype, and the `fp8_probe` site's label (``None``
   outside a probe).
   """
-  dtype = op.fp8_dtype.name
+  dtype = low_precision_name(op)
   if jax_compat.out_sharding(op.eqn) is not None:
     op.note = (f", not {dtype}: the {what} names an out_sharding, which the "
                f"float8 {what} does not carry")

@@ -17,7 +17,9 @@ XLA from folding a transpose back into the dot.
 The float8 matmul gives the left operand one scale per row (each token,
 each example of a batch, so a row far below the batch's largest keeps its
 digits, as under `vmap`) and the right operand one per batch element (one
-per tensor for a plain matmul); see `fp8_scaling`. Its backward rule is a
+per tensor for a plain matmul); see `fp8_scaling`. Under a block format
+(``c=mxfp8``, ``c=mxfp4``, ``c=nvfp4``) the same matmuls run in
+`block_matmul` instead. Its backward rule is a
 `jax.custom_vjp`, so reverse mode works at any depth of `jit`, `scan`,
 `checkpoint` and `vmap`, but forward mode (`jax.jvp`) through a float8 op
 raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
@@ -36,8 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src.blocks import formats as block_formats
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
+from mpolicy._src.rules import block_matmul
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
@@ -390,6 +394,34 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
   return _scaled_mm(a, b, config).reshape(out_shape)
 
 
+def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
+                      out_dtype: Optional[Any] = None,
+                      lhs_param: bool = False, rhs_param: bool = False):
+  """`jax.lax.dot_general` in block format ``fmt`` (see `block_matmul`).
+
+  Contracting dimensions are merged (row-major) into one, along which the
+  blocks run; the result has `dot_general`'s shape, in ``out_dtype``
+  (bfloat16 if ``None``). ``lhs_param``/``rhs_param``: the operand is a
+  weight (nvfp4 quantizes it in 16 x 16 tiles).
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  >>> w = jax.random.normal(jax.random.PRNGKey(1), (64, 16))
+  >>> y = block_dot_general(x, w, (((1,), (0,)), ((), ())), "nvfp4")
+  >>> y.dtype, bool(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w) < 0.2)
+  (dtype(bfloat16), True)
+  """
+  fmt = block_formats.get_format(fmt)
+  out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
+               else np.dtype(out_dtype))
+  a, b, _, out_shape = canonical_form(lhs, rhs, dimension_numbers,
+                                      lhs_mk=True, rhs_kn=True)
+  _, (lb, _) = dimension_numbers
+  config = block_matmul.config_for(fmt, lhs, rhs, bool(lb), out_dtype,
+                                   lhs_param, rhs_param)
+  return block_matmul.blocked_mm(a, b, config).reshape(out_shape)
+
+
 # --- The rules ----------------------------------------------------------------
 
 
@@ -429,13 +461,20 @@ def _dot_sizes(eqn) -> tuple[int, ...]:
 def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   """The float8 matmul, where `fp8_placement.admit` lets it run."""
   options = op.rules.fp8
+  fmt = block_matmul.format_of_op(op)
   admitted = fp8_placement.admit(
       op, "dot", _dot_sizes(op.eqn),
-      FP8_REASON.format(_SCALING_TEXT[options.scaling]))
+      FP8_REASON.format(_SCALING_TEXT[options.scaling]) if fmt is None
+      else block_matmul.reason(fmt))
   if admitted is None:
     return None
   lhs, rhs, out_dtype, label = admitted
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
+  if fmt is not None:
+    return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
+                              out_dtype=out_dtype,
+                              lhs_param=op.env.is_param(lhs),
+                              rhs_param=op.env.is_param(rhs))]
   return [fp8_dot_general(
       lhs, rhs, dimension_numbers, out_dtype=out_dtype,
       scaling=options.scaling,
