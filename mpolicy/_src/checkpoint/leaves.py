@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import jax_compat
+
 _NUMBERS = (bool, int, float)
 
 
@@ -19,7 +21,7 @@ def is_key(x: Any) -> bool:
 
 def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
   """`(dtype, shape)` of a leaf; a `TypeError` naming it if unsupported."""
-  if isinstance(leaf, jax.core.Tracer):
+  if isinstance(leaf, jax_compat.Tracer):
     raise TypeError(
         f"{what} needs concrete arrays, but leaf {key} is a traced value "
         f"({type(leaf).__name__}): it was called inside jax.jit (or grad, "
