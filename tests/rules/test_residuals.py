@@ -109,14 +109,23 @@ def _gpt_losses():
 
 
 @pytest.mark.ci  # Two GPT traces, 6 s on 2 cores.
-def test_gpt_keeps_no_more_float32_residuals_than_jmp():
+def test_gpt_keeps_no_more_residuals_than_jmp():
   amp_loss, jmp_loss, _, params, tokens = _gpt_losses()
   ours = residual_bytes(amp_loss, params, tokens)
   theirs = residual_bytes(jmp_loss, params, tokens)
   # jmp's float32 residuals are jnp.var's centred values (jnp upcasts half
   # inputs) and the float32 log-softmax of the loss: the same for both.
-  assert ours["f32"] <= theirs["f32"], (ours, theirs)
+  # Beyond them mpolicy keeps each LayerNorm's per-token statistics in
+  # float32 (a float32 result JAX would narrow to half stays float32), a
+  # few values per token per norm, where jmp keeps them in bfloat16: far
+  # less than one activation (B * T * D values).
+  per_token_stats = B * T * (2 * LAYERS + 1)
+  assert ours["f32"] <= theirs["f32"] + 8 * per_token_stats, (
+      ours, theirs)
+  assert 8 * per_token_stats < B * T * D
   assert sum(ours.values()) <= sum(theirs.values()), (ours, theirs)
+  nbytes = lambda c: 2 * c["bf16"] + 4 * c["f32"] + c["bool"] + 4 * c["i32"]
+  assert nbytes(ours) <= nbytes(theirs), (ours, theirs)
   # The bulk is bfloat16: attention probabilities, GELU, LayerNorm outputs.
   assert ours["bf16"] > 4 * ours["f32"], ours
 
