@@ -224,8 +224,10 @@ def per_device(eq: Equation):
     found = [c for c in (o.carried(eq, outs) for o in _state.observers)
              if c is not None]
     if len(found) > 1:
-      raise NotImplementedError("two observers carry values out of one "
-                                "shard_map body")
+      raise RuntimeError(
+          "mpolicy: two observers (e.g. locate_nonfinite inside "
+          "compare_to_float32) each carry values out of one shard_map body; "
+          "run one debugger tool at a time")
     return found[0] if found else jnp.zeros((0,), bool)
 
   yield carried
