@@ -25,6 +25,12 @@ shallowest and the deepest model divided by the layers added).
   python benchmarks/bench_trace.py --layers=12,24,48 --repeats=3 --no_compile
   python benchmarks/bench_trace.py --layers=2,4 --repeats=1 --d_model=64 \
       --seq=32 --vocab=256                           # a smoke run
+  python benchmarks/bench_trace.py --acceptance      # the target's check
+
+``--acceptance`` is ``--layers=24,48 --repeats=5 --no_compile
+--variants=jmp,transform_amp,amp(apply)`` (unless those flags are given
+too) and ends with one line per variant and depth saying whether the
+median trace + lower CPU time is at most jmp's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ import training_cpu
 
 POLICY = "p=f32,c=bf16,o=f32"
 VARIANTS = ("float32", "jmp", "transform_amp", "amp(apply)")
+# What `--acceptance` sets (flags given on the command line win).
+ACCEPTANCE = {"layers": "24,48", "repeats": 5, "no_compile": True,
+              "variants": "jmp,transform_amp,amp(apply)"}
 
 
 def make_loss(variant: str, config: argparse.Namespace, layers: int):
@@ -203,7 +212,16 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=8192)
   parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--acceptance", action="store_true",
+                      help="24 and 48 layers, 5 repeats, no compile, jmp "
+                      "and the two mpolicy variants; ends with a verdict "
+                      "per variant and depth")
   config = parser.parse_args(argv)
+  if config.acceptance:
+    given = " ".join(sys.argv[1:] if argv is None else argv)
+    for flag, value in ACCEPTANCE.items():
+      if f"--{flag}" not in given:
+        setattr(config, flag, value)
   depths = [int(x) for x in config.layers.split(",")]
   variants = config.variants.split(",")
   for v in variants:
@@ -257,6 +275,15 @@ def main(argv=None) -> None:
     for v in variants:
       print(f"| {v} | {1e3 * tl(v, lo) / lo:.1f} | {1e3 * per_added[v]:.1f} "
             f"| {per_added[v] / per_added['jmp']:.2f} |")
+  if config.acceptance:
+    print("\n### verdict: median trace + lower CPU time at most jmp's\n")
+    for d in depths:
+      for v in variants:
+        if v in ("jmp", "float32"):
+          continue
+        ratio = report_util.med(_ratios(runs, v, d, _cpu))
+        verdict = "yes" if ratio <= 1.0 else "no"
+        print(f"- {v}, {d} layers: {ratio:.2f}x jmp: {verdict}")
   eager = eager_overhead()
   print("\n### eager calls: tanh(x @ w) on 8 x 8 arrays, µs per call\n")
   print("| f | amp(f) | amp(f) × f | jit(f) | jit(amp(f)) |")

@@ -18,6 +18,7 @@ Precedence, most specific first:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Union
 
 from mpolicy._src import frameworks
@@ -155,27 +156,42 @@ def region_for_call(name: str, cls: type,
   ...   print(region_for_call("head", Dense, None, Module).decided_by)
   pattern 'head'
   """
-  decision = decide(name, cls, root)
-  cls_name = registry.key_name(cls)
-
-  def region(policy, decided_by, inherited=False):
-    policy_lib.require_x64(policy, f"module {name!r} ({decided_by})")
-    return regions.Region(policy=policy, decided_by=decided_by,
-                          module_name=name, module_class=cls_name,
-                          inherited=inherited)
-
-  if decision.rule in (1, 2):
-    return region(decision.policy, decision.source)
-  if enclosing is not None:
+  own, default = _regions_for(registry.state(), name, cls, root)
+  region = own
+  if region is None and enclosing is not None:
     if enclosing.full_precision:
       return None
     if enclosing.policy is not None:
       source = enclosing.module_name or enclosing.decided_by
-      return region(enclosing.policy, f"inherited from {source}",
-                    inherited=True)
-  if decision.rule == 4:
-    return region(decision.policy, decision.source)
-  return None
+      region = regions.Region(
+          policy=enclosing.policy, decided_by=f"inherited from {source}",
+          module_name=name, module_class=registry.key_name(cls),
+          inherited=True)
+  region = default if region is None else region
+  if region is not None:
+    policy_lib.require_x64(region.policy,
+                           f"module {name!r} ({region.decided_by})")
+  return region
+
+
+@functools.lru_cache(maxsize=4096)
+def _regions_for(state: tuple, name: str, cls: type, root: type
+                 ) -> tuple[Optional[regions.Region], Optional[regions.Region]]:
+  """The regions the table (``state``: `registry.state`) gives a call of
+  module ``name`` of class ``cls`` without an enclosing call: its own entry
+  (rules 1, 2) and the default (rule 4); ``None`` where there is none.
+
+  Read once per table, module name and class: a deep model's calls of
+  one module find the answer here.
+  """
+  del state  # The cache key: the table `decide` reads.
+  decision = decide(name, cls, root)
+  if decision.rule == 5:
+    return None, None
+  region = regions.Region(policy=decision.policy, decided_by=decision.source,
+                          module_name=name,
+                          module_class=registry.key_name(cls))
+  return (region, None) if decision.rule in (1, 2) else (None, region)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -201,6 +201,7 @@ class _Registry:
   def __init__(self):
     self._lock = threading.Lock()
     self._global: dict[Any, policy_lib.Policy] = {}
+    self._global_state: frozenset = frozenset()
     self._local = threading.local()
 
   def _pushed(self) -> list[_Push]:
@@ -211,7 +212,8 @@ class _Registry:
 
   def _publish_global(self) -> None:
     # Called with the lock held, so the published value is the table's.
-    _GLOBAL_STATE.set_global(frozenset(self._global.items()))
+    self._global_state = frozenset(self._global.items())
+    _GLOBAL_STATE.set_global(self._global_state)
 
   def _publish_pushed(self) -> None:
     # This thread holds at most one entered context, whose value is its
@@ -219,6 +221,7 @@ class _Registry:
     # push) and enters one with the new value, unless none is left.
     value = tuple((p.key, p.policy) for p in self._pushed()
                   if p.policy is not None)
+    self._local.state = value
     entered = getattr(self._local, "entered", None)
     if entered is not None:
       entered.__exit__(None, None, None)
@@ -267,6 +270,11 @@ class _Registry:
         del pushed[i]
         break
     self._publish_pushed()
+
+  def state(self) -> tuple:
+    """A hashable value equal for equal tables of this thread (the global
+    entries, then this thread's active pushes)."""
+    return self._global_state, getattr(self._local, "state", ())
 
   def snapshot(self) -> dict[Any, policy_lib.Policy]:
     """The entries in force for this thread: global, then pushes on top.
@@ -429,6 +437,21 @@ def snapshot() -> dict[Any, policy_lib.Policy]:
   p=f32,c=bf16,o=f32
   """
   return _REGISTRY.snapshot()
+
+
+def state() -> tuple:
+  """A hashable value that is equal whenever this thread's table is: a cache
+  key for answers read from `snapshot`.
+
+  >>> from mpolicy._src import registry
+  >>> before = registry.state()
+  >>> with registry.push_policy("encoder", "full"):
+  ...   registry.state() == before
+  False
+  >>> registry.state() == before
+  True
+  """
+  return _REGISTRY.state()
 
 
 def lookup(table: dict[Any, policy_lib.Policy],
