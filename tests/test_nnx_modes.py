@@ -97,17 +97,18 @@ def test_tree_mode_grad_fails_as_it_does_without_amp():
 
 def test_hijax_variables_read_by_a_closed_over_module():
   with _flag("flax_hijax_variable", True):
-    linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
-    assert type(linear.kernel).__name__ == "HijaxVariable"
-    f = mpolicy.amp(lambda x: linear(x), POLICY)
+    model = Net(nnx.Rngs(0))
+    assert type(model.linear.kernel).__name__ == "HijaxVariable"
+    f = mpolicy.amp(lambda x: model(x, train=False), POLICY)
     dots = _matmul_dtypes(f, _x())
-    y, y_jit, ref = f(_x()), jax.jit(f)(_x()), linear(_x())
+    y, y_jit, ref = f(_x()), jax.jit(f)(_x()), model(_x(), train=False)
     grad = jax.grad(lambda x: jnp.sum(f(x)))(_x())
   assert dots == ["bfloat16"]
   assert y.dtype == y_jit.dtype == grad.dtype == jnp.float32
   np.testing.assert_allclose(y, ref, rtol=2e-2, atol=2e-2)
   np.testing.assert_array_equal(y, y_jit)
   assert np.any(y != ref)  # The matmul ran in bfloat16.
+  assert np.all(np.isfinite(grad)) and np.any(grad != 0)
 
 
 def test_hijax_variable_writes_fail_under_amp_as_under_nnx_jit():
