@@ -286,33 +286,41 @@ def primitives_named(names) -> list:
   return [found[n] for n in names if n in found]
 
 
-def _one_named(name: str):
-  """The `Primitive` named ``name`` (None, recorded as absent, if none)."""
-  found = primitives_named((name,))
-  return found[0] if found else None
+def _registered_named(*names: str) -> list:
+  """The primitives named ``names`` among those JAX registered a lowering
+  or a JVP rule for (at import; the first registered wins a shared name),
+  None, recorded as absent, for a name none has. A lookup for the few
+  primitives JAX exports under no public name, without walking modules."""
+  found = {}
+  for table in (_mlir._lowerings, _ad.primitive_jvps):  # pylint: disable=protected-access
+    for p in list(table):
+      found.setdefault(p.name, p)
+  _absent.update(n for n in names if n not in found)
+  return [found.get(n) for n in names]
 
 
-# Primitives JAX exports under no public name, found by name (see
-# `primitives_named`).
 
 # Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
 # `jax.debug.callback` and `jax.debug.print`): Python code that receives its
 # operands as arrays of the dtypes it was traced with. `rules.kernels`
 # registers their facts; the rest of mpolicy reads those.
-CALLBACK_PRIMITIVES = frozenset(
-    primitives_named(("pure_callback", "io_callback", "debug_callback")))
+(pure_callback_p, io_callback_p, debug_callback_p, shard_map_p,
+ ref_addupdate_p, inspect_sharding_p) = _registered_named(
+     "pure_callback", "io_callback", "debug_callback", "shard_map",
+     "addupdate", "inspect_sharding")
 
-# `shard_map` bodies, entered and traced again.
-shard_map_p = _one_named("shard_map")
+CALLBACK_PRIMITIVES = frozenset(
+    p for p in (pure_callback_p, io_callback_p, debug_callback_p)
+    if p is not None)
+
 
 # Reads and writes of mutable array references (a scan3 loop's carries).
 ref_get_p = _jex_primitives.get_p
 ref_swap_p = _jex_primitives.swap_p
-ref_addupdate_p = _one_named("addupdate")
 
 try:  # Pallas kernels (importing the primitive's module costs a few ms).
-  from jax.experimental import pallas as _pallas  # pylint: disable=g-import-not-at-top
-  pallas_call_p = _pallas.pallas_call_p
+  from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
+  pallas_call_p = _pallas_call.pallas_call_p
 except (ImportError, AttributeError):
   pallas_call_p = None
 
@@ -322,7 +330,7 @@ except (ImportError, AttributeError):
 # of mpolicy reads; see `rules.kernels`).
 KERNEL_PRIMITIVES = frozenset(
     p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
-                *primitives_named(("inspect_sharding",)))
+                inspect_sharding_p)
     if p is not None)
 
 

@@ -62,6 +62,7 @@ PRIVATE_NAMES: dict[str, dict[str, tuple]] = {
     "jax._src.lax.control_flow.loops": {"Scan3": _ALL},
     "jax._src.lax.lax": {"_dot_general_batch_dim_nums": _ALL},
     "jax._src.util": {"cache": _ALL},
+    "jax._src.pallas.pallas_call": {"pallas_call_p": _ALL},
     "jax._src.distributed": {"global_state": _ALL},
 }
 """Private module -> {name read from it: (first, stop) JAX versions that
