@@ -226,6 +226,55 @@ custom_jvp_call_p = _jex_primitives.custom_jvp_call_p
 custom_vjp_call_p = _jex_primitives.custom_vjp_call_p
 linear_solve_p = jax.lax.linear_solve_p
 
+
+def _registered_named(*names: str) -> list:
+  """The primitives named ``names`` among those JAX registered a lowering
+  or a JVP rule for (at import; the first registered wins a shared name),
+  None, recorded as absent, for a name none has. A lookup for the few
+  primitives JAX exports under no public name, without walking modules."""
+  found = {}
+  for table in (_mlir._lowerings, _ad.primitive_jvps):  # pylint: disable=protected-access
+    for p in list(table):
+      found.setdefault(p.name, p)
+  _absent.update(n for n in names if n not in found)
+  return [found.get(n) for n in names]
+
+
+# Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
+# `jax.debug.callback` and `jax.debug.print`): Python code that receives its
+# operands as arrays of the dtypes it was traced with. `rules.kernels`
+# registers their facts; the rest of mpolicy reads those.
+(pure_callback_p, io_callback_p, debug_callback_p, shard_map_p,
+ ref_addupdate_p, inspect_sharding_p) = _registered_named(
+     "pure_callback", "io_callback", "debug_callback", "shard_map",
+     "addupdate", "inspect_sharding")
+
+CALLBACK_PRIMITIVES = frozenset(
+    p for p in (pure_callback_p, io_callback_p, debug_callback_p)
+    if p is not None)
+
+
+# Reads and writes of mutable array references (a scan3 loop's carries).
+ref_get_p = _jex_primitives.get_p
+ref_swap_p = _jex_primitives.swap_p
+
+try:  # Pallas kernels (importing the primitive's module costs a few ms).
+  from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
+  pallas_call_p = _pallas_call.pallas_call_p
+except (ImportError, AttributeError):
+  pallas_call_p = None
+
+# Primitives that run code mpolicy does not see into as kernels: host
+# callbacks and Pallas kernels. Their operands arrive in the dtypes they
+# were traced with (an explicit rule each, and the ``kernel`` fact the rest
+# of mpolicy reads; see `rules.kernels`).
+KERNEL_PRIMITIVES = frozenset(
+    p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
+                inspect_sharding_p)
+    if p is not None)
+
+
+
 _primitives_cache: dict = {}
 
 
@@ -284,55 +333,6 @@ def primitives_named(names) -> list:
   found = _primitives(("jax",))
   _absent.update(n for n in names if n not in found)
   return [found[n] for n in names if n in found]
-
-
-def _registered_named(*names: str) -> list:
-  """The primitives named ``names`` among those JAX registered a lowering
-  or a JVP rule for (at import; the first registered wins a shared name),
-  None, recorded as absent, for a name none has. A lookup for the few
-  primitives JAX exports under no public name, without walking modules."""
-  found = {}
-  for table in (_mlir._lowerings, _ad.primitive_jvps):  # pylint: disable=protected-access
-    for p in list(table):
-      found.setdefault(p.name, p)
-  _absent.update(n for n in names if n not in found)
-  return [found.get(n) for n in names]
-
-
-
-# Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
-# `jax.debug.callback` and `jax.debug.print`): Python code that receives its
-# operands as arrays of the dtypes it was traced with. `rules.kernels`
-# registers their facts; the rest of mpolicy reads those.
-(pure_callback_p, io_callback_p, debug_callback_p, shard_map_p,
- ref_addupdate_p, inspect_sharding_p) = _registered_named(
-     "pure_callback", "io_callback", "debug_callback", "shard_map",
-     "addupdate", "inspect_sharding")
-
-CALLBACK_PRIMITIVES = frozenset(
-    p for p in (pure_callback_p, io_callback_p, debug_callback_p)
-    if p is not None)
-
-
-# Reads and writes of mutable array references (a scan3 loop's carries).
-ref_get_p = _jex_primitives.get_p
-ref_swap_p = _jex_primitives.swap_p
-
-try:  # Pallas kernels (importing the primitive's module costs a few ms).
-  from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
-  pallas_call_p = _pallas_call.pallas_call_p
-except (ImportError, AttributeError):
-  pallas_call_p = None
-
-# Primitives that run code mpolicy does not see into as kernels: host
-# callbacks and Pallas kernels. Their operands arrive in the dtypes they
-# were traced with (an explicit rule each, and the ``kernel`` fact the rest
-# of mpolicy reads; see `rules.kernels`).
-KERNEL_PRIMITIVES = frozenset(
-    p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
-                inspect_sharding_p)
-    if p is not None)
-
 
 
 def bind(primitive, args, params):
