@@ -22,6 +22,8 @@ import mpolicy
 from mpolicy._src import jax_compat
 from mpolicy._src import sub_computations
 
+import _survey
+
 HALF = "p=f32,c=bf16,o=f32"
 X = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4)
 W = jnp.linspace(-0.5, 0.5, 16, dtype=jnp.float32).reshape(4, 4)
@@ -33,8 +35,8 @@ _ABSENT = {"0.10": {"program_order", "xla_metadata_call"},
 
 
 def _surveyed():
-  return [p for p in jax_compat.survey.primitives_in()
-          if jax_compat.survey.may_carry_sub_computations(p)]
+  return [p for p in _survey.primitives_in()
+          if _survey.may_carry_sub_computations(p)]
 
 
 def test_every_surveyed_primitive_is_handled():
@@ -69,7 +71,7 @@ def test_each_kind_of_handling_is_in_use():
 
 def test_refused_names_are_primitives_of_the_supported_jax():
   version = ".".join(jax.__version__.split(".")[:2])
-  names = ({p.name for p in jax_compat.survey.primitives_in()}
+  names = ({p.name for p in _survey.primitives_in()}
            | jax_compat.primitive_names())
   missing = set(sub_computations.REFUSED_PRIMITIVES) - names
   assert missing == _ABSENT.get(version, missing), missing

@@ -236,7 +236,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
       jax_compat.current_scope_names(), env)
   final = []
   for i, (out, aval) in enumerate(zip(outs, closed.out_avals)):
-    target = aval.dtype
+    target = dtypes.aval_dtype(aval)
     # float64 outputs are never narrowed to the policy's output dtype, nor
     # is module state (it keeps the dtypes it had).
     if (cast_outputs and pol is not None and castable[-1][i]

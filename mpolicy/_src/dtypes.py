@@ -28,7 +28,19 @@ from mpolicy._src import jax_compat
 def dtype_of(x: Any) -> np.dtype:
   """The dtype of an array, tracer, numpy value or Python scalar."""
   dtype = getattr(x, "dtype", None)
+  if dtype is None and isinstance(x, jax_compat.Tracer):
+    return NO_DTYPE  # A traced value of a type with no dtype (a hijax type).
   return np.asarray(x).dtype if dtype is None else dtype
+
+
+NO_DTYPE = np.dtype(object)
+"""The "dtype" of a value of a type that has none (a hijax type such as a
+Flax hijax Variable): neither floating nor integer, never cast."""
+
+
+def aval_dtype(aval: Any) -> np.dtype:
+  """``aval``'s dtype; `NO_DTYPE` for a type that has none."""
+  return getattr(aval, "dtype", NO_DTYPE)
 
 
 def is_float(dtype: Any) -> bool:

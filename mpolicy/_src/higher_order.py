@@ -255,7 +255,8 @@ def _as_traced(scope, eqn, invals):
   its sub-jaxprs were written for (linear solves: half has no kernels; the
   linear part of a custom VJP rule: its backward rule, run when JAX
   transposes it, receives residuals and cotangents of those dtypes)."""
-  args = [scope.cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+  args = [scope.cast(x, dtypes.aval_dtype(v.aval))
+          for x, v in zip(invals, eqn.invars)]
   return _bind(eqn, args)
 
 

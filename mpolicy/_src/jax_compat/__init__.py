@@ -11,15 +11,14 @@
   the processes of a run).
 * `remat`: remat policies seeing mpolicy's primitives as the JAX ones
   they stand for.
-* `survey`: which of JAX's primitives may carry a sub-computation
-  (reached as ``jax_compat.survey``, for the tests).
 * `hijax`: JAX's next-generation constructs (``jax_scan3``,
   ``jax_remat3``, ``jax_custom_vjp3``, ``jax_custom_jvp3``), read and
   rebuilt; reached as ``jax_compat.hijax`` (its names are per construct),
   and `jaxprs_in_params`, the sub-jaxprs of any equation's params.
 
-`internals`, `linearize`, `processes`, `remat`, `survey` and `hijax` are
-the modules that import JAX's private and extension modules. Supporting another JAX
+`internals`, `linearize`, `processes`, `remat` and `hijax` are the modules
+that import JAX's private and extension modules; `private` lists each
+private name they use. Supporting another JAX
 version means changing this package only. Nothing in it knows about
 mpolicy's policies. Every name of `calls`, `internals`, `linearize`, `params`,
 `processes` and `remat` is re-exported here: the rest of mpolicy imports `jax_compat` and
@@ -32,7 +31,6 @@ from mpolicy._src.jax_compat.linearize import *  # pylint: disable=wildcard-impo
 from mpolicy._src.jax_compat.params import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.processes import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.remat import *  # pylint: disable=wildcard-import
-from mpolicy._src.jax_compat import survey
 from mpolicy._src.jax_compat import calls as _calls
 from mpolicy._src.jax_compat import internals as _internals
 from mpolicy._src.jax_compat import linearize as _linearize
@@ -40,6 +38,7 @@ from mpolicy._src.jax_compat import params as _params
 from mpolicy._src.jax_compat import processes as _processes
 from mpolicy._src.jax_compat import remat as _remat
 from mpolicy._src.jax_compat import hijax
+from mpolicy._src.jax_compat import private
 from mpolicy._src.jax_compat.hijax import jaxprs_in_params
 
 __all__ = [*_internals.__all__, *_calls.__all__, *_linearize.__all__, *_params.__all__,

@@ -21,50 +21,46 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
-import importlib
 import inspect
 import types
 from typing import Any, Optional
 
 import jax
+from jax.experimental import hijax as _jex_hijax
 from jax.extend import core as jex_core
+from jax.extend import linear_util as _lu
+from jax.interpreters import partial_eval as _pe
+import jax.stages as _stages
 
+# Private JAX (each listed, with what it is for, in `private`): the
+# constructs' classes and the primitive applying them.
+from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
-from jax._src import linear_util as _lu
-from jax._src import stages as _stages
-from jax._src.interpreters import partial_eval as _pe
+from jax._src import hijax as _hijax_module
+from jax._src.lax.control_flow import loops as _loops
 
 from mpolicy._src.jax_compat import internals as _i
 
 
-def _optional_attr(module_name: str, attr: str):
-  """``module_name.attr``, or None where this JAX lacks either."""
-  try:
-    return getattr(importlib.import_module(module_name), attr, None)
-  except ImportError:
-    return None
-
-
-_hijax_module = _optional_attr("jax._src", "hijax")
 call_hi_primitive_p = getattr(_hijax_module, "call_hi_primitive_p", None)
 
 # The construct classes, by the kind mpolicy gives them (absent ones, from an
 # older JAX, are left out).
 _KINDS = {
     cls: kind for cls, kind in (
-        (_optional_attr("jax._src.lax.control_flow.loops", "Scan3"), "scan"),
-        (_optional_attr("jax._src.ad_checkpoint", "RematTraced"), "remat"),
-        (_optional_attr("jax._src.hijax", "CustomVJPTraced"), "custom_vjp"),
-        (_optional_attr("jax._src.hijax", "CustomJVPTraced"), "custom_jvp"),
-        (_optional_attr("jax._src.ad_checkpoint", "CheckpointName"),
-         "checkpoint_name"),
-        (_optional_attr("jax._src.ad_checkpoint", "CheckpointNameFwd"),
+        (getattr(_loops, "Scan3", None), "scan"),
+        (getattr(_ad_checkpoint, "RematTraced", None), "remat"),
+        (getattr(_hijax_module, "CustomVJPTraced", None), "custom_vjp"),
+        (getattr(_hijax_module, "CustomJVPTraced", None), "custom_jvp"),
+        (getattr(_ad_checkpoint, "CheckpointName", None), "checkpoint_name"),
+        (getattr(_ad_checkpoint, "CheckpointNameFwd", None),
          "checkpoint_name"),
     ) if cls is not None}
 
-_HI_BASES = tuple(c for c in (_optional_attr("jax._src.hijax", "HiPrim"),
-                              _optional_attr("jax._src.hijax", "VJPHiPrimitive"))
-                  if c is not None)
+# The base classes of a construct, public in `jax.experimental.hijax`:
+# `HiPrim` (JAX 0.12) or `VJPHiPrimitive` (0.10).
+_HI_BASES = tuple(getattr(_jex_hijax, n) for n in ("HiPrim", "VJPHiPrimitive")
+                  if hasattr(_jex_hijax, n))
 
 KINDS = frozenset(_KINDS.values())
 """The kinds of construct mpolicy knows (``"scan"``, ``"remat"``, ...)."""

@@ -15,33 +15,27 @@ from typing import Optional
 
 import jax
 from jax.extend import core as jex_core
-from jax.extend.core import primitives as _jex_primitives
+from jax.extend import linear_util as _lu
 from jax.extend import source_info_util as _siu
+from jax.extend.core import primitives as _jex_primitives
+from jax.experimental import hijax as _jex_hijax
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+from jax.interpreters import partial_eval as _pe
 
-# The rest is private JAX. Each import is used by the helpers below.
-from jax._src import ad_checkpoint as _ad_checkpoint
-from jax._src import callback as _callback
+# The rest is private JAX (each listed, with what it is for, in `private`).
 from jax._src import config as _config
 from jax._src import core as _core
-from jax._src import custom_derivatives as _custom_derivatives
-from jax._src import debugging as _debugging
-from jax._src import linear_util as _lu
-from jax._src import pjit as _pjit
 from jax._src import source_info_util as _siu_private
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax import control_flow as _control_flow
-from jax._src.lax import convolution as _convolution
+from jax._src.interpreters import ad as _ad_private
+from jax._src.interpreters import partial_eval as _pe_private
 from jax._src.lax import lax as _lax_internal
-from jax._src.state import primitives as _state
-from jax._src.state.types import AbstractRef as _AbstractRef
 
 # --- Name stacks ------------------------------------------------------------
 
-# `jax._src.source_info_util` is the only place the Scope/Transform entries of
-# a name stack are defined; `jax.extend` re-exports the functions but not them.
+# JAX's private source_info_util is the only place the Scope/Transform entries
+# of a name stack are defined; `jax.extend` re-exports the functions but not them.
 _Scope = _siu_private.Scope
 _Transform = _siu_private.Transform
 
@@ -163,7 +157,7 @@ def eqn_transforms(eqn) -> tuple[str, ...]:
 Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
 
 # Tracers of forward-mode and linearizing autodiff (`jax.jvp`, `jax.grad`).
-AUTODIFF_TRACERS = (_ad.JVPTracer, _ad.LinearizeTracer)
+AUTODIFF_TRACERS = (_ad.JVPTracer, _ad_private.LinearizeTracer)
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
@@ -171,17 +165,6 @@ DropVar = jex_core.DropVar
 
 
 # --- Primitives, matched by identity ----------------------------------------
-
-
-try:
-  from jax._src import shard_map as _shard_map  # pylint: disable=g-import-not-at-top
-  shard_map_p = _shard_map.shard_map_p
-except (ImportError, AttributeError):  # Older JAX: jax.experimental.
-  try:
-    from jax.experimental import shard_map as _shard_map  # pylint: disable=g-import-not-at-top
-    shard_map_p = _shard_map.shard_map_p
-  except (ImportError, AttributeError):
-    shard_map_p = None
 
 
 @contextlib.contextmanager
@@ -228,13 +211,6 @@ def absent_primitive_names() -> frozenset[str]:
   return frozenset(_absent)
 
 
-def _optional(module, name):
-  found = getattr(module, name, None)
-  if found is None:
-    _absent.add(f"{module.__name__}.{name}")
-  return found
-
-
 broadcast_in_dim_p = jax.lax.broadcast_in_dim_p
 gather_p = jax.lax.gather_p
 dot_general_p = jax.lax.dot_general_p
@@ -244,28 +220,43 @@ bitcast_convert_type_p = jax.lax.bitcast_convert_type_p
 scan_p = jax.lax.scan_p
 while_p = jax.lax.while_p
 cond_p = jax.lax.cond_p
-jit_p = _pjit.jit_p
-remat_p = _ad_checkpoint.remat_p
-custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
-custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
-linear_solve_p = _optional(_control_flow, "linear_solve_p")
+jit_p = _jex_primitives.jit_p
+remat_p = _jex_primitives.remat_p
+custom_jvp_call_p = _jex_primitives.custom_jvp_call_p
+custom_vjp_call_p = _jex_primitives.custom_vjp_call_p
+linear_solve_p = jax.lax.linear_solve_p
+
+
+def _registered_named(*names: str) -> list:
+  """The primitives named ``names`` among those JAX registered a lowering
+  or a JVP rule for (at import; the first registered wins a shared name),
+  None, recorded as absent, for a name none has. A lookup for the few
+  primitives JAX exports under no public name, without walking modules."""
+  found = {}
+  for table in (_mlir._lowerings, _ad.primitive_jvps):  # pylint: disable=protected-access
+    for p in list(table):
+      found.setdefault(p.name, p)
+  _absent.update(n for n in names if n not in found)
+  return [found.get(n) for n in names]
+
 
 # Host callbacks (`jax.pure_callback`, `jax.experimental.io_callback`,
 # `jax.debug.callback` and `jax.debug.print`): Python code that receives its
 # operands as arrays of the dtypes it was traced with. `rules.kernels`
 # registers their facts; the rest of mpolicy reads those.
+(pure_callback_p, io_callback_p, debug_callback_p, shard_map_p,
+ ref_addupdate_p, inspect_sharding_p) = _registered_named(
+     "pure_callback", "io_callback", "debug_callback", "shard_map",
+     "addupdate", "inspect_sharding")
+
 CALLBACK_PRIMITIVES = frozenset(
-    p for p in (
-        _optional(_callback, "pure_callback_p"),
-        _optional(_callback, "io_callback_p"),
-        _optional(_debugging, "debug_callback_p"),
-    ) if p is not None)
+    p for p in (pure_callback_p, io_callback_p, debug_callback_p)
+    if p is not None)
 
 
 # Reads and writes of mutable array references (a scan3 loop's carries).
-ref_get_p = _state.get_p
-ref_swap_p = _state.swap_p
-ref_addupdate_p = _optional(_state, "addupdate_p")
+ref_get_p = _jex_primitives.get_p
+ref_swap_p = _jex_primitives.swap_p
 
 try:  # Pallas kernels (importing the primitive's module costs a few ms).
   from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
@@ -279,8 +270,9 @@ except (ImportError, AttributeError):
 # of mpolicy reads; see `rules.kernels`).
 KERNEL_PRIMITIVES = frozenset(
     p for p in (*CALLBACK_PRIMITIVES, pallas_call_p,
-                _optional(_debugging, "inspect_sharding_p"))
+                inspect_sharding_p)
     if p is not None)
+
 
 
 _primitives_cache: dict = {}
@@ -381,7 +373,7 @@ def eval_eagerly(closed: ClosedJaxpr, *args) -> list:
 
 def open_jaxpr_with_consts_first(closed: ClosedJaxpr):
   """``(jaxpr, consts)``: the consts turned into leading invars."""
-  return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+  return _pe_private.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
 
 
 def call_thunk(thunk, *args):
@@ -439,9 +431,7 @@ def manual_axes() -> frozenset:
 
 def bound_axis_names() -> frozenset:
   """Every named axis bound where this is traced (`pmap`, `shard_map`)."""
-  env = _core.get_axis_env()
-  sizes = getattr(env, "axis_sizes", None)
-  return frozenset(sizes) if sizes is not None else frozenset()
+  return frozenset(jex_core.unsafe_get_axis_names_DO_NOT_USE())
 
 
 def make_varying(x, axes):
@@ -483,7 +473,7 @@ def with_sharding(aval, sharding):
 
 def is_ref(x) -> bool:
   """Whether ``x`` (a value or an aval) is a mutable array reference."""
-  return isinstance(getattr(x, "aval", x), _AbstractRef)
+  return isinstance(getattr(x, "aval", x), _jex_hijax.AbstractRef)
 
 
 def tangent_aval(aval):
@@ -501,11 +491,10 @@ def conv_transpose(side: str, ct, known, operand_aval, **params):
   axes reshaped in and out.
   """
   undefined = _ad.UndefinedPrimal(operand_aval)
+  rule = _ad.primitive_transposes[conv_general_dilated_p]  # Bilinear.
   if side == "lhs":
-    return _convolution._conv_general_dilated_transpose_lhs(  # pylint: disable=protected-access
-        ct, undefined, known, **params)
-  return _convolution._conv_general_dilated_transpose_rhs(  # pylint: disable=protected-access
-      ct, known, undefined, **params)
+    return rule(ct, undefined, known, **params)[0]
+  return rule(ct, known, undefined, **params)[1]
 
 
 def conv_batch(batched_args, batch_dims, **params):
@@ -515,8 +504,8 @@ def conv_batch(batched_args, batch_dims, **params):
   data) it reads only to shard the result; with ``out_sharding=None`` it
   is never read, so None stands in for it.
   """
-  return _convolution._conv_general_dilated_batch_rule(  # pylint: disable=protected-access
-      None, batched_args, batch_dims, **params)
+  rule = _batching.fancy_primitive_batchers[conv_general_dilated_p]
+  return rule(None, batched_args, batch_dims, **params)
 
 
 __all__ = [

@@ -9,7 +9,7 @@ re-bound equation by equation pays that once per equation per layer.
 linearizes it once per signature (``fn``, the input avals, which inputs
 carry tangents, JAX's trace context): the first call keeps the forward
 equations (the outputs and the residuals) and the tangent equations that
-`jax._src.interpreters.ad.linearize_jaxpr` makes; every later call stages
+JAX's private `linearize_jaxpr` (autodiff's interpreter module) makes; every later call stages
 those equations where a plain bind would stage its own, so the program is
 the one plain binds give. The route is a primitive, ``mpolicy_linearized``,
 that never reaches a jaxpr: the linearizing trace calls its linearization
@@ -32,15 +32,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 from jax.extend import core as jex_core
 
 # Private JAX: autodiff's linearizing trace and its rule table, and JAX's
 # own cache (cleared by `jax.clear_caches()`, keyed by the trace context).
-from jax._src import core as _core
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 
 from mpolicy._src.jax_compat import internals
+
+_typeof = jax.typeof
+_eval_jaxpr = jax.core.eval_jaxpr
 
 # JAX 0.12's linearization rules also return structured residuals.
 _STRUCTURED = "structured_residuals" in getattr(
@@ -72,7 +75,7 @@ def _bind_with_trace(trace, args, avals, params):
   del avals
   if isinstance(trace, _ad.LinearizeTrace):
     return trace.process_primitive(_linearized_p, args, params)
-  with _core.set_current_trace(trace):
+  with jex_core.set_current_trace(trace):
     return list(params["fn"](*args))
 
 
@@ -115,9 +118,9 @@ def _linearization(fn, avals: tuple, nonzeros: tuple,
 
 
 def _rule(is_vjp, nonzeros, *primals, fn):
-  lin = _linearization(fn, tuple(_core.typeof(x) for x in primals),
+  lin = _linearization(fn, tuple(_typeof(x) for x in primals),
                        tuple(nonzeros), bool(is_vjp))
-  outs = _core.eval_jaxpr(lin.forward, lin.forward_consts, *primals,
+  outs = _eval_jaxpr(lin.forward, lin.forward_consts, *primals,
                           propagate_source_info=False)
   primal_out, fresh = outs[:lin.n_out], iter(outs[lin.n_out:])
   known = [*lin.consts, *primals]
@@ -128,7 +131,7 @@ def _rule(is_vjp, nonzeros, *primals, fn):
   def linearized(residuals, *tangents):
     split = len(residuals) - lin.n_structured
     nonzero = [t for t, nz in zip(tangents, nonzeros) if nz]
-    out = iter(_core.eval_jaxpr(
+    out = iter(_eval_jaxpr(
         lin.tangent, lin.tangent_consts, *residuals[:split], *nonzero,
         *residuals[split:], propagate_source_info=False))
     return [next(out) if nz else _ad.Zero(aval)

@@ -1,6 +1,7 @@
 """The `jax.distributed` client, whose key-value store lets the processes
-of a run agree on small things without a collective. JAX keeps it at
-`jax._src.distributed.global_state.client` (0.10.2 to 0.12)."""
+of a run agree on small things without a collective. JAX keeps it as the
+``client`` of its private distributed module's ``global_state`` (0.10.2 to
+0.12); no public name reaches it."""
 
 from typing import Any, Optional
 

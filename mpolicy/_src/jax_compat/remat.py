@@ -21,6 +21,9 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
+
+# Private JAX (each listed, with what it is for, in `private`).
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
@@ -34,8 +37,8 @@ except ImportError:
 _VIEWS: dict[Any, Callable[..., tuple[Any, dict]]] = {}
 
 # Policies that decide nothing per primitive (JAX special-cases them).
-_WHOLESALE = (None, _ad_checkpoint.everything_saveable,
-              _ad_checkpoint.nothing_saveable)
+_WHOLESALE = (None, jax.checkpoint_policies.everything_saveable,
+              jax.checkpoint_policies.nothing_saveable)
 
 
 def define_remat_view(primitive, view) -> None:
@@ -86,12 +89,11 @@ def _remat3_rule(primitive, view, trace, *args, **params):
     return out, (), recompute
   prim, plain = view(**params)
   case = _pe.ensure_enum(
-      trace.policy(prim, *(_core.typeof(a) for a in args), **plain))
+      trace.policy(prim, *(jax.typeof(a) for a in args), **plain))
   if isinstance(case, _pe.SaveableType):
     out = _remat.reduce_precision(out)
     return out, out, functools.partial(_keep_and_recompute, bind)
   if isinstance(case, _pe.Offloadable):
-    import jax  # pylint: disable=g-import-not-at-top
     out = _remat.reduce_precision(out)
     host = jax.device_put(out, _core.mem_kind_to_space(case.dst),
                           may_alias=False)
@@ -110,7 +112,7 @@ def _remat3_rule_v10(primitive, view, policy, *args, **params):
   prim, plain = view(**params)
   dots = getattr(_ad_checkpoint, "DotsSaveable", None)
   if (prim in _remat.rules and dots is not None and isinstance(policy, dots)
-      and policy(prim, *(_core.typeof(a) for a in args), **plain)):
+      and policy(prim, *(jax.typeof(a) for a in args), **plain)):
     return out, functools.partial(_keep_and_recompute, bind, out)
   return out, bind
 

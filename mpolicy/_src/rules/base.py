@@ -221,7 +221,7 @@ def bind_natural(env, eqn, args) -> tuple[list, Optional[str]]:
   Returns the outputs, and ``None`` if ``args`` ran as they are, else why
   they ran at the traced dtypes.
   """
-  traced = [v.aval.dtype for v in eqn.invars]
+  traced = [getattr(v.aval, "dtype", dtypes.NO_DTYPE) for v in eqn.invars]
   if all(dtypes.dtype_of(a) == t for a, t in zip(args, traced)):
     return bind(eqn, args), None
   as_traced = lambda: bind(eqn, [cast_as_traced(env, a, t)

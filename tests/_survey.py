@@ -1,7 +1,8 @@
-"""A survey of JAX's primitives: which may carry a sub-computation.
+"""A survey of JAX's primitives: which may carry a sub-computation (a test
+helper: it reads JAX's private rule tables, which mpolicy itself never needs).
 
 Whether an equation carries a sub-computation shows in its params (see
-`hijax.sub_computations`, the runtime guard's question). Which *primitives*
+`jax_compat.hijax.sub_computations`, the runtime guard's question). Which *primitives*
 may is asked of JAX's own registrations, so a test can check that each is
 handled before a program meets it:
 
