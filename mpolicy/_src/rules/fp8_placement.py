@@ -28,6 +28,7 @@ from mpolicy._src.rules import fp8_probe
 
 MATMULS = ("weights", "all")
 SCALINGS = ("per_row", "per_tensor")
+RECIPE_OPTIONS = ("stochastic_rounding", "hadamard", "weight_tiles", "seed")
 UNSET = object()
 """`OpRules.with_fp8`'s default for ``min_size`` (``None`` means auto)."""
 
@@ -53,7 +54,7 @@ class Fp8Options:
   """Where and how float8 runs under a ``c=f8`` policy.
 
   >>> Fp8Options()
-  Fp8Options(matmuls='weights', min_size=None, scaling='per_row')
+  Fp8Options(matmuls='weights', min_size=None, scaling='per_row', stochastic_rounding=True, hadamard=True, weight_tiles=True, seed=0)
   >>> Fp8Options(matmuls="every")
   Traceback (most recent call last):
   ...
@@ -70,10 +71,21 @@ class Fp8Options:
     scaling: ``"per_row"``: one scale per row of the left operand (per
       token), one per batch element of the right; ``"per_tensor"``: one
       scale per operand and per cotangent (the form cuBLASLt takes).
+    stochastic_rounding: under ``c=mxfp4``/``c=nvfp4``, the backward
+      matmuls round the cotangent stochastically (the NVFP4 recipe).
+    hadamard: under ``c=mxfp4``/``c=nvfp4``, the weight-gradient matmul's
+      operands are rotated by a random 16 x 16 Hadamard transform.
+    weight_tiles: under ``c=nvfp4``, weights are quantized in 16 x 16 tiles.
+    seed: the recipe's randomness: each block matmul's key is this seed
+      folded with its place in the program and the step count.
   """
   matmuls: str = "weights"
   min_size: Optional[int] = None
   scaling: str = "per_row"
+  stochastic_rounding: bool = True
+  hadamard: bool = True
+  weight_tiles: bool = True
+  seed: int = 0
 
   def __post_init__(self):
     if self.matmuls not in MATMULS:
@@ -86,6 +98,13 @@ class Fp8Options:
           f"OpRules.with_fp8(scaling={self.scaling!r}): must be 'per_row' "
           "(one scale per row of the left operand) or 'per_tensor' (one "
           "scale per operand)")
+    for name in ("stochastic_rounding", "hadamard", "weight_tiles"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"OpRules.with_fp8({name}={getattr(self, name)!r}): "
+                         "must be True or False")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"OpRules.with_fp8(seed={self.seed!r}): must be an "
+                       "int (the recipe's PRNG seed)")
     size = self.min_size
     if size is not None and (isinstance(size, bool)
                              or not isinstance(size, int) or size < 0):
