@@ -34,13 +34,23 @@ UNSET = object()
 
 H100_MIN_SIZE = 8192 ** 3
 """The smallest n*n*n matmul measured faster in float8 than in bfloat16 on
-an H100 (jax 0.11.2, current scaling: 8192 gained 1.30x, 4096 lost 0.85x)."""
+an H100 with per-tensor scaling (jax 0.11.2: 8192 gained 1.30x, 4096 lost
+0.85x)."""
 
-THRESHOLDS: tuple[tuple[str, int, str], ...] = (
-    ("H100", H100_MIN_SIZE, "measured"),
-    ("H200", H100_MIN_SIZE, "unmeasured: the H100's"),
+H200_PER_ROW_MIN_SIZE = 8192 ** 3
+"""The smallest n*n*n matmul measured faster in float8 than in bfloat16 on
+an H200 with per-row scaling (jax 0.11.2, forward, median of 15: 8192 ran
+1.41x bfloat16's speed, 4096 0.94x)."""
+
+THRESHOLDS: tuple[tuple[str, str, int, str], ...] = (
+    ("H200", "per_row", H200_PER_ROW_MIN_SIZE, "measured"),
+    ("H100", "per_row", H200_PER_ROW_MIN_SIZE,
+     "per-row unmeasured: the H200's"),
+    ("H100", "per_tensor", H100_MIN_SIZE, "measured"),
+    ("H200", "per_tensor", H100_MIN_SIZE, "per-tensor unmeasured: the H100's"),
 )
-"""``(device kind substring, min M*K*N, source)``, first match wins."""
+"""``(device kind substring, scaling, min M*K*N, source)``, first match of
+kind and scaling wins."""
 
 CPU_MIN_SIZE = 0
 """CPU emulates float8 (for checking numerics): every size runs in it."""
@@ -119,8 +129,8 @@ def default_device():
   return jax.devices()[0]
 
 
-def device_threshold() -> tuple[int, str]:
-  """The default backend's threshold and a description of it.
+def device_threshold(scaling: str = "per_row") -> tuple[int, str]:
+  """The default backend's threshold for ``scaling`` and a description of it.
 
   >>> size, device = device_threshold()
   >>> size == 0 if device == "cpu" else size > 0
@@ -135,8 +145,8 @@ def device_threshold() -> tuple[int, str]:
   kind = str(getattr(device, "device_kind", device.platform))
   if device.platform == "cpu":
     return CPU_MIN_SIZE, "cpu"
-  for part, size, source in THRESHOLDS:
-    if part.lower() in kind.lower():
+  for part, scaled, size, source in THRESHOLDS:
+    if part.lower() in kind.lower() and scaled == scaling:
       return size, kind if source == "measured" else f"{kind} ({source})"
   size, source = OTHER_MIN_SIZE
   return size, f"{kind} ({source})"
@@ -174,7 +184,7 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
     return True
   size = math.prod(dims)
   if options.min_size is None:
-    threshold, device = device_threshold()
+    threshold, device = device_threshold(options.scaling)
     where = f"for {device}"
   else:
     threshold, where = options.min_size, "set by OpRules.with_fp8(min_size=)"
