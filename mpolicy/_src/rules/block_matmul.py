@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src.blocks import formats
+from mpolicy._src.blocks import native
 from mpolicy._src.blocks import quantize
 from mpolicy._src.blocks import recipe
 
@@ -72,6 +73,9 @@ def reason(fmt: formats.BlockFormat, options=None) -> str:
         ("16x16 Hadamard on the weight gradient", options.hadamard)) if on]
     if parts:
       text += f" ({', '.join(parts)}; seed {options.seed})"
+  if native.usable(fmt.name, 0, fmt.block_size):
+    return text + ("; the native block-scaled dot (jax.nn.scaled_matmul) on "
+                   "CUDA where the contraction is whole blocks, else emulated")
   return text + "; emulated"
 
 
@@ -86,10 +90,22 @@ class BlockConfig(NamedTuple):
   rhs_tiles: bool = False
   sr: bool = False  # Stochastic rounding of the cotangent.
   hadamard: bool = False  # Random Hadamard rotation of the wgrad operands.
+  native: bool = False  # Ask for the native block-scaled dot on CUDA.
 
 
-def _q(x, config: BlockConfig, axis: int, tiles: bool, key=None):
-  return quantize.fake_quantize(x, config.fmt, axis, two_d=tiles, key=key)
+def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
+        y_tiles: bool = False, x_key=None, y_key=None):
+  """``[B,] M, K`` x ``[B,] K, N`` of the operands quantized along K
+  (``x_key``/``y_key``: stochastic rounding), float32: emulated, or on CUDA
+  the native block-scaled dot of the same quantized operands."""
+  nb = 1 if config.batched else 0
+  qx = quantize.quantize_blocks(x, config.fmt, -1, two_d=x_tiles, key=x_key)
+  qy = quantize.quantize_blocks(y, config.fmt, -2, two_d=y_tiles, key=y_key)
+  emulated = _dot(quantize.dequantize_blocks(qx),
+                  quantize.dequantize_blocks(qy), ((nb + 1,), (nb,)),
+                  config.batched)
+  use = config.native and x.shape[-1] % qx.fmt.block_size == 0
+  return native.matmul(qx, qy, config.batched, emulated, use)
 
 
 def _dot(a, b, contract, batched):
@@ -99,31 +115,27 @@ def _dot(a, b, contract, batched):
                          preferred_element_type=jnp.float32)
 
 
+def _t(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
 def _fwd(a, b, key, config: BlockConfig):
-  nb = 1 if config.batched else 0
-  aq = _q(a, config, -1, config.lhs_tiles)  # [B,] M, K: blocks along K.
-  bq = _q(b, config, -2, config.rhs_tiles)  # [B,] K, N: blocks along K.
-  out = _dot(aq, bq, ((nb + 1,), (nb,)), config.batched)
+  out = _mm(a, b, config, config.lhs_tiles, config.rhs_tiles)
   return out.astype(config.out_dtype), (a, b, key)
 
 
 def _bwd(config: BlockConfig, residuals, g):
   a, b, key = residuals
-  nb = 1 if config.batched else 0
   g = g.astype(jnp.float32)
   k_dgrad, k_wgrad, k_rotate = jax.random.split(key, 3)
   sr = (lambda k: k) if config.sr else (lambda k: None)
-  # d lhs [B, M, K] = g [B, M, N] . rhs [B, K, N] over N.
-  da = _dot(_q(g, config, -1, False, sr(k_dgrad)),
-            _q(b, config, -1, config.rhs_tiles),
-            ((nb + 1,), (nb + 1,)), config.batched)
-  # d rhs [B, K, N] = lhs [B, M, K] . g [B, M, N] over M.
+  # d lhs [B, M, K] = g [B, M, N] . rhs^T [B, N, K] over N.
+  da = _mm(g, _t(b), config, False, config.rhs_tiles, x_key=sr(k_dgrad))
+  # d rhs [B, K, N] = lhs^T [B, K, M] . g [B, M, N] over M.
   if config.hadamard:
     a = recipe.hadamard_rotate(a, -2, k_rotate)
     g = recipe.hadamard_rotate(g, -2, k_rotate)
-  db = _dot(_q(a, config, -2, config.lhs_tiles),
-            _q(g, config, -2, False, sr(k_wgrad)),
-            ((nb,), (nb,)), config.batched)
+  db = _mm(_t(a), g, config, config.lhs_tiles, False, y_key=sr(k_wgrad))
   return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype), None
 
 
@@ -152,7 +164,8 @@ def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
   return BlockConfig(fmt.name, batched, np.dtype(out_dtype),
                      np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                      tiles and lhs_param, tiles and rhs_param,
-                     sr and recipe_fmt, hadamard and recipe_fmt)
+                     sr and recipe_fmt, hadamard and recipe_fmt,
+                     native.usable(fmt.name, 0, fmt.block_size))
 
 
 RECIPE_FORMATS = ("mxfp4", "nvfp4")
