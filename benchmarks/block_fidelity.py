@@ -64,44 +64,75 @@ CONFIGS = {
 }
 
 
-def run(name: str, seed: int, steps: int, corpus) -> dict:
-  """Trains one configuration on one seed; returns its losses."""
-  policy, options, keep = CONFIGS[name]
+def make_stepper(policy: str, options: dict, keep, corpus, seed: int,
+                 steps: int = 100_000):
+  """``stepper(n)``: runs the next ``n`` training steps of one
+  configuration (its state kept between calls) and returns their losses;
+  ``stepper.evaluate()`` gives the held-out loss."""
   rules = mpolicy.DEFAULT_RULES.with_fp8(min_size=0, **options)
   config = ModelConfig()
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(mpolicy.push_policy(CharTransformer, policy))
-    stack.enter_context(mpolicy.push_policy(ct.hk.LayerNorm, "full"))
-    for pattern in keep:
-      stack.enter_context(mpolicy.push_policy(pattern, BF16))
-    model = mpolicy.transform_amp(make_forward(len(corpus.vocab), config),
-                                  rules=rules)
-    optimizer = optax.adam(3e-3)
+  stack = contextlib.ExitStack()
+  stack.enter_context(mpolicy.push_policy(CharTransformer, policy))
+  stack.enter_context(mpolicy.push_policy(ct.hk.LayerNorm, "full"))
+  for pattern in keep:
+    stack.enter_context(mpolicy.push_policy(pattern, BF16))
+  model = mpolicy.transform_amp(make_forward(len(corpus.vocab), config),
+                                rules=rules)
+  optimizer = optax.adam(3e-3)
 
-    @jax.jit
-    def step(params, opt_state, batch, count):
-      with recipe.step_count(count):
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: ct.lm_loss(model.apply, p, batch), has_aux=True)(params)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+  def step(params, opt_state, batch, count):
+    with recipe.step_count(count):
+      (loss, _), grads = jax.value_and_grad(
+          lambda p: ct.lm_loss(model.apply, p, batch), has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
 
-    starts = ct.sample_starts(corpus.train, config.seq_len, steps, 32, seed)
+  step = jax.jit(step)
+  starts = ct.sample_starts(corpus.train, config.seq_len, steps, 32, seed)
+  with stack:  # Policies are read when the model is first traced.
     params = model.init(jax.random.PRNGKey(seed),
                         ct.windows(corpus.train, starts[0], config.seq_len)
                         [:, :-1])
-    opt_state = optimizer.init(params)
+  state = {"params": params, "opt": optimizer.init(params), "i": 0}
+
+  def stepper(n: int) -> list:
     losses = []
-    start = time.perf_counter()
-    for i in range(steps):
-      batch = ct.windows(corpus.train, starts[i], config.seq_len)
-      params, opt_state, loss = step(params, opt_state, batch, jnp.int32(i))
-      losses.append(float(loss))
-    seconds = time.perf_counter() - start
-    test = ct.evaluate(model.apply, params, corpus, config.seq_len)
+    with contextlib.ExitStack() as again:
+      again.enter_context(mpolicy.push_policy(CharTransformer, policy))
+      again.enter_context(mpolicy.push_policy(ct.hk.LayerNorm, "full"))
+      for pattern in keep:
+        again.enter_context(mpolicy.push_policy(pattern, BF16))
+      for _ in range(n):
+        i = state["i"]
+        batch = ct.windows(corpus.train, starts[i], config.seq_len)
+        state["params"], state["opt"], loss = step(
+            state["params"], state["opt"], batch, jnp.int32(i))
+        losses.append(float(loss))
+        state["i"] = i + 1
+    return losses
+
+  def evaluate() -> float:
+    with contextlib.ExitStack() as again:
+      again.enter_context(mpolicy.push_policy(CharTransformer, policy))
+      again.enter_context(mpolicy.push_policy(ct.hk.LayerNorm, "full"))
+      for pattern in keep:
+        again.enter_context(mpolicy.push_policy(pattern, BF16))
+      return ct.evaluate(model.apply, state["params"], corpus,
+                         config.seq_len)["test loss"]
+  stepper.evaluate = evaluate
+  return stepper
+
+
+def run(name: str, seed: int, steps: int, corpus) -> dict:
+  """Trains one configuration on one seed; returns its losses."""
+  policy, options, keep = CONFIGS[name]
+  stepper = make_stepper(policy, options, keep, corpus, seed, steps)
+  start = time.perf_counter()
+  losses = stepper(steps)
+  seconds = time.perf_counter() - start
   return {"config": name, "seed": seed, "steps": steps,
           "final loss": float(np.mean(losses[-10:])),
-          "test loss": test["test loss"], "seconds": round(seconds, 1)}
+          "test loss": stepper.evaluate(), "seconds": round(seconds, 1)}
 
 
 def main() -> None:
