@@ -177,8 +177,9 @@ def test_with_fp8_tables_copy_pickle_hash_and_print():
   assert pickle.loads(pickle.dumps(rules)) == rules == copy.deepcopy(rules)
   assert hash(rules) == hash(RULES.with_fp8(min_size=8, matmuls="all"))
   assert hash(rules) != hash(RULES)
-  assert "fp8=Fp8Options(matmuls='all', min_size=8, scaling='per_row')" in (
-      repr(rules))
+  assert ("fp8=Fp8Options(matmuls='all', min_size=8, scaling='per_row', "
+          "stochastic_rounding=True, hadamard=True, weight_tiles=True, "
+          "seed=0)") in repr(rules)
   assert "fp8=" not in repr(RULES)
   with pytest.raises(dataclasses.FrozenInstanceError):
     rules.fp8.matmuls = "weights"
