@@ -55,12 +55,19 @@ STDLIB = os.path.dirname(os.__file__)
 DEFAULT_CORPUS = ("bisect.py", "heapq.py", "functools.py", "textwrap.py",
                   "string.py", "abc.py", "contextlib.py")
 ATTENTION_PATTERN = "*/attention"
+KEEP_FIRST_LAST = ("*/block_0/~/attention", "*/logits")
+"""The first weight matmuls (block 0's attention) and the last (the head)."""
 METRICS = ("test accuracy", "test loss", "final loss")
 
 flags.DEFINE_string(
     "attention_policy", "",
     f"Policy of the attention blocks (registry pattern "
     f"'{ATTENTION_PATTERN}'), e.g. 'full'; empty: they follow --mp_policy.")
+flags.DEFINE_list(
+    "keep_bf16", [],
+    "Registry patterns of layers kept in p=f32,c=bf16,o=f32 whatever "
+    "--mp_policy says, e.g. with --mp_policy=p=f32,c=nvfp4,o=f32 keep the "
+    f"first and last layers: --keep_bf16={','.join(KEEP_FIRST_LAST)}.")
 flags.DEFINE_list("corpus_files", list(DEFAULT_CORPUS),
                   f"Files to train on, in this order: paths relative to "
                   f"the standard library ({STDLIB}) or absolute.")
@@ -144,9 +151,12 @@ def model_config_from_flags() -> ModelConfig:
 
 @contextlib.contextmanager
 def policies(policy: str, norm_policy: str = "full",
-             attention_policy: str = "") -> Iterator[None]:
+             attention_policy: str = "",
+             keep_bf16: Sequence[str] = ()) -> Iterator[None]:
   """The model's registry entries, for the duration of a run."""
   with contextlib.ExitStack() as stack:
+    for pattern in keep_bf16:
+      stack.enter_context(mpolicy.push_policy(pattern, "p=f32,c=bf16,o=f32"))
     stack.enter_context(mpolicy.push_policy(CharTransformer, policy))
     stack.enter_context(mpolicy.push_policy(hk.LayerNorm, norm_policy))
     if attention_policy:
@@ -189,7 +199,8 @@ def evaluate(apply, params, corpus: Corpus, seq_len: int) -> dict[str, float]:
 
 def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
           policy: str = "p=f32,c=bf16,o=f32", norm_policy: str = "full",
-          attention_policy: str = "", scale_type: str = "NoOp",
+          attention_policy: str = "", keep_bf16: Sequence[str] = (),
+          scale_type: str = "NoOp",
           scale_value: float = 2.0**15, steps: int = 300, batch_size: int = 32,
           learning_rate: float = 3e-3, seed: int = 0,
           log_every: int = 50, microbatches: int = 1,
@@ -202,7 +213,9 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
   name = mp_report.label(policy, scale_type)
   if attention_policy:
     name += "+attn:" + mp_report.label(attention_policy)
-  with policies(policy, norm_policy, attention_policy):
+  if keep_bf16:
+    name += "+bf16:" + ",".join(keep_bf16)
+  with policies(policy, norm_policy, attention_policy, keep_bf16):
     model = mpolicy.transform_amp(make_forward(len(corpus.vocab), config))
     grad_fn = mpolicy.scaled_value_and_grad(
         lambda p, b: lm_loss(model.apply, p, b), has_aux=True)
@@ -299,6 +312,7 @@ def main() -> None:
   runs.append(train(corpus, config, policy=FLAGS.mp_policy,
                     norm_policy=FLAGS.mp_bn_policy,
                     attention_policy=FLAGS.attention_policy,
+                    keep_bf16=FLAGS.keep_bf16,
                     scale_type=FLAGS.mp_scale_type,
                     scale_value=FLAGS.mp_scale_value, **settings))
   print()

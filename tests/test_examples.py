@@ -111,6 +111,19 @@ def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   assert "[bf16+dynamic+attn:f32] test accuracy:" in out
 
 
+@pytest.mark.slow  # Runs the example as a file (a compile of ~30 s).
+def test_char_transformer_block_format_keeps_named_layers_in_bf16(tmp_path):
+  rc, out, err = run_example(
+      "char_transformer", "--steps=2", "--batch_size=2", *TINY_MODEL,
+      "--log_every=1", "--mp_policy=p=f32,c=mxfp8,o=f32",
+      "--keep_bf16=*/logits", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  name = "mxfp8+bf16:*/logits"
+  assert f"| {name} | p=f32,c=mxfp8,o=f32 | NoOp |" in out
+  cells = explain_cells(out)[name]
+  assert re.search(r"\d+ mxfp8", cells), cells
+
+
 LESSON_TINY = ("--steps=3", "--batch_size=2", *TINY_MODEL, "--log_every=0")
 
 

@@ -343,7 +343,7 @@ class OpRules:
 
   def with_fp8(self, *, matmuls: Optional[str] = None,
                min_size: Any = fp8_placement.UNSET,
-               scaling: Optional[str] = None) -> OpRules:
+               scaling: Optional[str] = None, **recipe: Any) -> OpRules:
     """A new table with other float8 options (for ``c=f8`` policies).
 
     >>> r = DEFAULT_RULES.with_fp8(matmuls="all", min_size=0)
@@ -360,6 +360,9 @@ class OpRules:
         this table's.
       scaling: ``"per_row"`` (the default) or ``"per_tensor"``; ``None``
         keeps this table's.
+      **recipe: the block formats' NVFP4-recipe options of `Fp8Options`
+        (``stochastic_rounding``, ``hadamard``, ``weight_tiles``: booleans,
+        all on by default; ``seed``: an int, 0 by default).
 
     Returns:
       A new `OpRules`; this one is unchanged.
@@ -371,6 +374,12 @@ class OpRules:
                if v is not None}
     if min_size is not fp8_placement.UNSET:
       changes["min_size"] = min_size
+    unknown = set(recipe) - set(fp8_placement.RECIPE_OPTIONS)
+    if unknown:
+      raise TypeError(f"OpRules.with_fp8 got unknown options {sorted(unknown)}"
+                      f"; it takes matmuls, min_size, scaling and "
+                      f"{', '.join(fp8_placement.RECIPE_OPTIONS)}")
+    changes.update(recipe)
     return OpRules(self._table, self._rules,
                    dataclasses.replace(self._fp8, **changes))
 

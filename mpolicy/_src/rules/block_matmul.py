@@ -13,13 +13,18 @@ saved operands), not by transposing the forward's blocks:
 ``d lhs = q(g, over N) . q(rhs, over N)`` and
 ``d rhs = q(lhs, over M) . q(g, over M)``. Gradients use the same format
 (mxfp8's are e4m3 too). Under nvfp4 a parameter operand is quantized in
-16 x 16 tiles, so it and its transpose are quantized alike.
+16 x 16 tiles, so it and its transpose are quantized alike. The NVFP4
+recipe (mxfp4 and nvfp4, each part an option): the cotangent is rounded
+stochastically in both backward matmuls (``sr``), and the weight-gradient
+matmul's operands are rotated along M by a random 16 x 16 Hadamard
+transform before they are quantized (``hadamard``), its randomness from
+the ``key`` operand (`blocks.recipe`).
 
 >>> import jax, jax.numpy as jnp
 >>> a = jax.random.normal(jax.random.PRNGKey(0), (4, 64))
 >>> b = jax.random.normal(jax.random.PRNGKey(1), (64, 8))
 >>> config = BlockConfig("mxfp8", False, jnp.bfloat16, jnp.float32, jnp.float32)
->>> y = blocked_mm(a, b, config)
+>>> y = blocked_mm(a, b, jax.random.PRNGKey(0), config)
 >>> y.dtype, bool(jnp.allclose(y, a @ b, rtol=0.1, atol=0.5))
 (dtype(bfloat16), True)
 """
@@ -34,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src.blocks import formats
+from mpolicy._src.blocks import native
 from mpolicy._src.blocks import quantize
+from mpolicy._src.blocks import recipe
 
 REASON = {
     "mxfp8": "blocks of 32 float8_e4m3fn along the contracting dimension, "
@@ -56,11 +63,20 @@ def format_of_op(op) -> Optional[formats.BlockFormat]:
   return compute if isinstance(compute, formats.BlockFormat) else None
 
 
-def reason(fmt: formats.BlockFormat) -> str:
+def reason(fmt: formats.BlockFormat, options=None) -> str:
   """`explain`'s reason for a block-scaled matmul."""
-  return (f"{REASON[fmt.name]}, float32 accumulation; backward operands "
-          f"quantized to {fmt.name} along their own contracting dimension; "
-          "emulated")
+  text = (f"{REASON[fmt.name]}, float32 accumulation; backward operands "
+          f"quantized to {fmt.name} along their own contracting dimension")
+  if fmt.name in RECIPE_FORMATS and options is not None:
+    parts = [name for name, on in (
+        ("stochastic rounding of gradients", options.stochastic_rounding),
+        ("16x16 Hadamard on the weight gradient", options.hadamard)) if on]
+    if parts:
+      text += f" ({', '.join(parts)}; seed {options.seed})"
+  if native.usable(fmt.name, 0, fmt.block_size):
+    return text + ("; the native block-scaled dot (jax.nn.scaled_matmul) on "
+                   "CUDA where the contraction is whole blocks, else emulated")
+  return text + "; emulated"
 
 
 class BlockConfig(NamedTuple):
@@ -72,10 +88,24 @@ class BlockConfig(NamedTuple):
   rhs_dtype: Any
   lhs_tiles: bool = False  # nvfp4: 16 x 16 tiles (the operand is a weight).
   rhs_tiles: bool = False
+  sr: bool = False  # Stochastic rounding of the cotangent.
+  hadamard: bool = False  # Random Hadamard rotation of the wgrad operands.
+  native: bool = False  # Ask for the native block-scaled dot on CUDA.
 
 
-def _q(x, config: BlockConfig, axis: int, tiles: bool):
-  return quantize.fake_quantize(x, config.fmt, axis, two_d=tiles)
+def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
+        y_tiles: bool = False, x_key=None, y_key=None):
+  """``[B,] M, K`` x ``[B,] K, N`` of the operands quantized along K
+  (``x_key``/``y_key``: stochastic rounding), float32: emulated, or on CUDA
+  the native block-scaled dot of the same quantized operands."""
+  nb = 1 if config.batched else 0
+  qx = quantize.quantize_blocks(x, config.fmt, -1, two_d=x_tiles, key=x_key)
+  qy = quantize.quantize_blocks(y, config.fmt, -2, two_d=y_tiles, key=y_key)
+  emulated = _dot(quantize.dequantize_blocks(qx),
+                  quantize.dequantize_blocks(qy), ((nb + 1,), (nb,)),
+                  config.batched)
+  use = config.native and x.shape[-1] % qx.fmt.block_size == 0
+  return native.matmul(qx, qy, config.batched, emulated, use)
 
 
 def _dot(a, b, contract, batched):
@@ -85,39 +115,59 @@ def _dot(a, b, contract, batched):
                          preferred_element_type=jnp.float32)
 
 
-def _fwd(a, b, config: BlockConfig):
-  nb = 1 if config.batched else 0
-  aq = _q(a, config, -1, config.lhs_tiles)  # [B,] M, K: blocks along K.
-  bq = _q(b, config, -2, config.rhs_tiles)  # [B,] K, N: blocks along K.
-  out = _dot(aq, bq, ((nb + 1,), (nb,)), config.batched)
-  return out.astype(config.out_dtype), (a, b)
+def _t(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _fwd(a, b, key, config: BlockConfig):
+  out = _mm(a, b, config, config.lhs_tiles, config.rhs_tiles)
+  return out.astype(config.out_dtype), (a, b, key)
 
 
 def _bwd(config: BlockConfig, residuals, g):
-  a, b = residuals
-  nb = 1 if config.batched else 0
+  a, b, key = residuals
   g = g.astype(jnp.float32)
-  # d lhs [B, M, K] = g [B, M, N] . rhs [B, K, N] over N.
-  da = _dot(_q(g, config, -1, False), _q(b, config, -1, config.rhs_tiles),
-            ((nb + 1,), (nb + 1,)), config.batched)
-  # d rhs [B, K, N] = lhs [B, M, K] . g [B, M, N] over M.
-  db = _dot(_q(a, config, -2, config.lhs_tiles), _q(g, config, -2, False),
-            ((nb,), (nb,)), config.batched)
-  return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype)
+  k_dgrad, k_wgrad, k_rotate = jax.random.split(key, 3)
+  sr = (lambda k: k) if config.sr else (lambda k: None)
+  # d lhs [B, M, K] = g [B, M, N] . rhs^T [B, N, K] over N.
+  da = _mm(g, _t(b), config, False, config.rhs_tiles, x_key=sr(k_dgrad))
+  # d rhs [B, K, N] = lhs^T [B, K, M] . g [B, M, N] over M.
+  if config.hadamard:
+    a = recipe.hadamard_rotate(a, -2, k_rotate)
+    g = recipe.hadamard_rotate(g, -2, k_rotate)
+  db = _mm(_t(a), g, config, config.lhs_tiles, False, y_key=sr(k_wgrad))
+  return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype), None
 
 
-blocked_mm = jax.custom_vjp(lambda a, b, config: _fwd(a, b, config)[0],
-                            nondiff_argnums=(2,))
+blocked_mm = jax.custom_vjp(lambda a, b, key, config: _fwd(a, b, key,
+                                                           config)[0],
+                            nondiff_argnums=(3,))
 blocked_mm.__doc__ = ("``[B,] M, K`` x ``[B,] K, N`` in a block format "
-                      "(module doc), differentiable in reverse mode.")
+                      "(module doc), differentiable in reverse mode; ``key`` "
+                      "(a raw ``uint32[2]`` key) drives the recipe's "
+                      "randomness.")
 blocked_mm.defvjp(_fwd, _bwd)
 
 
 def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
-               lhs_param: bool, rhs_param: bool) -> BlockConfig:
+               lhs_param: bool, rhs_param: bool, options=None) -> BlockConfig:
   """The `BlockConfig` of a matmul of ``lhs`` and ``rhs`` (either a
-  parameter: nvfp4 tiles it)."""
-  tiles = fmt.two_level
+  parameter: nvfp4 tiles it unless ``options.weight_tiles`` is off).
+  ``options`` (an `Fp8Options`; ``None``: the defaults) turns the recipe's
+  parts on and off; they apply to the 4-bit formats only."""
+  sr, hadamard, tiles = True, True, True
+  if options is not None:
+    sr, hadamard = options.stochastic_rounding, options.hadamard
+    tiles = options.weight_tiles
+  recipe_fmt = fmt.name in RECIPE_FORMATS
+  tiles = tiles and fmt.two_level
   return BlockConfig(fmt.name, batched, np.dtype(out_dtype),
                      np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                     tiles and lhs_param, tiles and rhs_param)
+                     tiles and lhs_param, tiles and rhs_param,
+                     sr and recipe_fmt, hadamard and recipe_fmt,
+                     native.usable(fmt.name, 0, fmt.block_size))
+
+
+RECIPE_FORMATS = ("mxfp4", "nvfp4")
+"""The formats the NVFP4 recipe's stochastic rounding and Hadamard
+rotation apply to (mxfp8 rounds to nearest and rotates nothing)."""

@@ -28,18 +28,29 @@ from mpolicy._src.rules import fp8_probe
 
 MATMULS = ("weights", "all")
 SCALINGS = ("per_row", "per_tensor")
+RECIPE_OPTIONS = ("stochastic_rounding", "hadamard", "weight_tiles", "seed")
 UNSET = object()
 """`OpRules.with_fp8`'s default for ``min_size`` (``None`` means auto)."""
 
 H100_MIN_SIZE = 8192 ** 3
 """The smallest n*n*n matmul measured faster in float8 than in bfloat16 on
-an H100 (jax 0.11.2, current scaling: 8192 gained 1.30x, 4096 lost 0.85x)."""
+an H100 with per-tensor scaling (jax 0.11.2: 8192 gained 1.30x, 4096 lost
+0.85x)."""
 
-THRESHOLDS: tuple[tuple[str, int, str], ...] = (
-    ("H100", H100_MIN_SIZE, "measured"),
-    ("H200", H100_MIN_SIZE, "unmeasured: the H100's"),
+H200_PER_ROW_MIN_SIZE = 8192 ** 3
+"""The smallest n*n*n matmul measured faster in float8 than in bfloat16 on
+an H200 with per-row scaling (jax 0.11.2, forward, median of 15: 8192 ran
+1.41x bfloat16's speed, 4096 0.94x)."""
+
+THRESHOLDS: tuple[tuple[str, str, int, str], ...] = (
+    ("H200", "per_row", H200_PER_ROW_MIN_SIZE, "measured"),
+    ("H100", "per_row", H200_PER_ROW_MIN_SIZE,
+     "per-row unmeasured: the H200's"),
+    ("H100", "per_tensor", H100_MIN_SIZE, "measured"),
+    ("H200", "per_tensor", H100_MIN_SIZE, "per-tensor unmeasured: the H100's"),
 )
-"""``(device kind substring, min M*K*N, source)``, first match wins."""
+"""``(device kind substring, scaling, min M*K*N, source)``, first match of
+kind and scaling wins."""
 
 CPU_MIN_SIZE = 0
 """CPU emulates float8 (for checking numerics): every size runs in it."""
@@ -53,7 +64,7 @@ class Fp8Options:
   """Where and how float8 runs under a ``c=f8`` policy.
 
   >>> Fp8Options()
-  Fp8Options(matmuls='weights', min_size=None, scaling='per_row')
+  Fp8Options(matmuls='weights', min_size=None, scaling='per_row', stochastic_rounding=True, hadamard=True, weight_tiles=True, seed=0)
   >>> Fp8Options(matmuls="every")
   Traceback (most recent call last):
   ...
@@ -70,10 +81,21 @@ class Fp8Options:
     scaling: ``"per_row"``: one scale per row of the left operand (per
       token), one per batch element of the right; ``"per_tensor"``: one
       scale per operand and per cotangent (the form cuBLASLt takes).
+    stochastic_rounding: under ``c=mxfp4``/``c=nvfp4``, the backward
+      matmuls round the cotangent stochastically (the NVFP4 recipe).
+    hadamard: under ``c=mxfp4``/``c=nvfp4``, the weight-gradient matmul's
+      operands are rotated by a random 16 x 16 Hadamard transform.
+    weight_tiles: under ``c=nvfp4``, weights are quantized in 16 x 16 tiles.
+    seed: the recipe's randomness: each block matmul's key is this seed
+      folded with its place in the program and the step count.
   """
   matmuls: str = "weights"
   min_size: Optional[int] = None
   scaling: str = "per_row"
+  stochastic_rounding: bool = True
+  hadamard: bool = True
+  weight_tiles: bool = True
+  seed: int = 0
 
   def __post_init__(self):
     if self.matmuls not in MATMULS:
@@ -86,6 +108,13 @@ class Fp8Options:
           f"OpRules.with_fp8(scaling={self.scaling!r}): must be 'per_row' "
           "(one scale per row of the left operand) or 'per_tensor' (one "
           "scale per operand)")
+    for name in ("stochastic_rounding", "hadamard", "weight_tiles"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"OpRules.with_fp8({name}={getattr(self, name)!r}): "
+                         "must be True or False")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"OpRules.with_fp8(seed={self.seed!r}): must be an "
+                       "int (the recipe's PRNG seed)")
     size = self.min_size
     if size is not None and (isinstance(size, bool)
                              or not isinstance(size, int) or size < 0):
@@ -100,8 +129,8 @@ def default_device():
   return jax.devices()[0]
 
 
-def device_threshold() -> tuple[int, str]:
-  """The default backend's threshold and a description of it.
+def device_threshold(scaling: str = "per_row") -> tuple[int, str]:
+  """The default backend's threshold for ``scaling`` and a description of it.
 
   >>> size, device = device_threshold()
   >>> size == 0 if device == "cpu" else size > 0
@@ -116,8 +145,8 @@ def device_threshold() -> tuple[int, str]:
   kind = str(getattr(device, "device_kind", device.platform))
   if device.platform == "cpu":
     return CPU_MIN_SIZE, "cpu"
-  for part, size, source in THRESHOLDS:
-    if part.lower() in kind.lower():
+  for part, scaled, size, source in THRESHOLDS:
+    if part.lower() in kind.lower() and scaled == scaling:
       return size, kind if source == "measured" else f"{kind} ({source})"
   size, source = OTHER_MIN_SIZE
   return size, f"{kind} ({source})"
@@ -155,7 +184,7 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
     return True
   size = math.prod(dims)
   if options.min_size is None:
-    threshold, device = device_threshold()
+    threshold, device = device_threshold(options.scaling)
     where = f"for {device}"
   else:
     threshold, where = options.min_size, "set by OpRules.with_fp8(min_size=)"

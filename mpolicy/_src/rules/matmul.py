@@ -39,6 +39,7 @@ import numpy as np
 
 from mpolicy._src import jax_compat
 from mpolicy._src.blocks import formats as block_formats
+from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import block_matmul
@@ -396,13 +397,16 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
 
 def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
                       out_dtype: Optional[Any] = None,
-                      lhs_param: bool = False, rhs_param: bool = False):
+                      lhs_param: bool = False, rhs_param: bool = False,
+                      options=None, key=None):
   """`jax.lax.dot_general` in block format ``fmt`` (see `block_matmul`).
 
   Contracting dimensions are merged (row-major) into one, along which the
   blocks run; the result has `dot_general`'s shape, in ``out_dtype``
   (bfloat16 if ``None``). ``lhs_param``/``rhs_param``: the operand is a
-  weight (nvfp4 quantizes it in 16 x 16 tiles).
+  weight (nvfp4 quantizes it in 16 x 16 tiles). ``options``: an
+  `Fp8Options` (the NVFP4 recipe's parts; ``None``: all on); ``key``: the
+  recipe's key (``None``: ``PRNGKey(0)``).
 
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
@@ -418,8 +422,9 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
                                       lhs_mk=True, rhs_kn=True)
   _, (lb, _) = dimension_numbers
   config = block_matmul.config_for(fmt, lhs, rhs, bool(lb), out_dtype,
-                                   lhs_param, rhs_param)
-  return block_matmul.blocked_mm(a, b, config).reshape(out_shape)
+                                   lhs_param, rhs_param, options)
+  key = jax.random.PRNGKey(0) if key is None else key
+  return block_matmul.blocked_mm(a, b, key, config).reshape(out_shape)
 
 
 # --- The rules ----------------------------------------------------------------
@@ -465,16 +470,19 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   admitted = fp8_placement.admit(
       op, "dot", _dot_sizes(op.eqn),
       FP8_REASON.format(_SCALING_TEXT[options.scaling]) if fmt is None
-      else block_matmul.reason(fmt))
+      else block_matmul.reason(fmt, options))
   if admitted is None:
     return None
   lhs, rhs, out_dtype, label = admitted
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
   if fmt is not None:
+    key = recipe.op_key(options.seed, recipe.next_place(op.env),
+                        recipe.current_step())
     return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
                               out_dtype=out_dtype,
                               lhs_param=op.env.is_param(lhs),
-                              rhs_param=op.env.is_param(rhs))]
+                              rhs_param=op.env.is_param(rhs),
+                              options=options, key=key)]
   return [fp8_dot_general(
       lhs, rhs, dimension_numbers, out_dtype=out_dtype,
       scaling=options.scaling,

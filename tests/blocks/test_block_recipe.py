@@ -1,0 +1,169 @@
+"""The NVFP4 recipe in the block matmul: stochastic rounding of gradients,
+the 16x16 Hadamard rotation of the weight gradient, and their keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpolicy
+from mpolicy._src.blocks import recipe
+from mpolicy._src.rules import block_matmul
+from mpolicy._src.rules import matmul
+
+F32 = jnp.float32
+DN = (((1,), (0,)), ((), ()))
+fq = mpolicy.fake_quantize
+
+
+def _config(fmt, sr, hadamard):
+  return block_matmul.BlockConfig(fmt, False, jnp.dtype(F32), jnp.dtype(F32),
+                                  jnp.dtype(F32), sr=sr, hadamard=hadamard)
+
+
+def _grads(a, b, g, key, config):
+  _, vjp = jax.vjp(lambda a, b: block_matmul.blocked_mm(a, b, key, config),
+                   a, b)
+  return vjp(g)
+
+
+def _tie_cotangent():
+  # Each block of 32 along N: one 6 (the amax: scale 1 for e2m1) and 31
+  # values 1.25, a tie that nearest-even rounds down to 1.
+  g = np.full((2, 32), 1.25, np.float32)
+  g[:, 0] = 6.0
+  return jnp.asarray(g)
+
+
+def test_nearest_rounding_of_the_gradient_is_exact_and_biased():
+  a, b = jnp.ones((2, 4), F32), jnp.ones((4, 32), F32)
+  da, _ = _grads(a, b, _tie_cotangent(), jax.random.PRNGKey(0),
+                 _config("mxfp4", False, False))
+  # 6 + 31 * 1 (the 1.25s rounded to 1), exactly.
+  np.testing.assert_array_equal(da, np.full((2, 4), 37.0, np.float32))
+
+
+def test_stochastic_rounding_is_unbiased_over_keys():
+  a, b = jnp.ones((2, 4), F32), jnp.ones((4, 32), F32)
+  config = _config("mxfp4", True, False)
+  keys = jax.random.split(jax.random.PRNGKey(1), 2000)
+  da = jax.vmap(lambda k: _grads(a, b, _tie_cotangent(), k, config)[0])(keys)
+  exact = 6.0 + 31 * 1.25  # 44.75: the unrounded cotangent's product.
+  assert abs(float(da.mean()) - exact) < 0.05, float(da.mean())
+  # Each draw is on the grid (sums of 1s and 1.5s), not the mean itself.
+  assert set(np.unique(np.asarray(da[:, 0, 0]) % 0.5)) == {0.0}
+  assert float(da.std()) > 1.0
+
+
+def test_a_fixed_key_is_deterministic_and_keys_differ():
+  a = jax.random.normal(jax.random.PRNGKey(2), (16, 32))
+  b = jax.random.normal(jax.random.PRNGKey(3), (32, 16))
+  g = jax.random.normal(jax.random.PRNGKey(4), (16, 16))
+  config = _config("nvfp4", True, True)
+  one = _grads(a, b, g, jax.random.PRNGKey(7), config)
+  again = _grads(a, b, g, jax.random.PRNGKey(7), config)
+  other = _grads(a, b, g, jax.random.PRNGKey(8), config)
+  for x, y, z in zip(one, again, other):
+    np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(x, z)
+
+
+def test_hadamard_rotates_the_weight_gradient_operands():
+  a = jax.random.normal(jax.random.PRNGKey(5), (32, 32))
+  a = a.at[3, :].multiply(40.0)  # An outlier row, as in activations.
+  b = jax.random.normal(jax.random.PRNGKey(6), (32, 16))
+  g = jax.random.normal(jax.random.PRNGKey(7), (32, 16))
+  key = jax.random.PRNGKey(9)
+  _, db = _grads(a, b, g, key, _config("nvfp4", False, True))
+  _, db_plain = _grads(a, b, g, key, _config("nvfp4", False, False))
+  rotate = jax.random.split(key, 3)[2]
+  ra, rg = (recipe.hadamard_rotate(x, 0, rotate) for x in (a, g))
+  expected = jnp.matmul(fq(ra, "nvfp4", 0).T, fq(rg, "nvfp4", 0),
+                        precision="highest")
+  # Equal up to the float32 accumulation order of the final product.
+  close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+  close(db, expected)
+  plain = jnp.matmul(fq(a, "nvfp4", 0).T, fq(g, "nvfp4", 0),
+                     precision="highest")
+  close(db_plain, plain)
+  assert float(jnp.max(jnp.abs(db - db_plain))) > 0.1
+  exact = jnp.matmul(a.T, g, precision="highest")
+  err = lambda x: float(jnp.linalg.norm(x - exact) / jnp.linalg.norm(exact))
+  assert err(db) < 0.2, err(db)  # Within nvfp4's error of the true product.
+
+
+def test_hadamard_pads_a_partial_run_and_keeps_the_product():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 20, 3))
+  y = jax.random.normal(jax.random.PRNGKey(1), (2, 20, 5))
+  key = jax.random.PRNGKey(2)
+  rx, ry = (recipe.hadamard_rotate(v, 1, key) for v in (x, y))
+  assert rx.shape == (2, 32, 3)  # Padded to two runs of 16, kept.
+  np.testing.assert_allclose(jnp.einsum("bmk,bmn->bkn", rx, ry),
+                             jnp.einsum("bmk,bmn->bkn", x, y), atol=1e-4)
+  assert not np.allclose(rx[:, :20], x)
+
+
+def _grad_fn(rules):
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+
+  def loss(w1, w2, step):
+    f = mpolicy.amp(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2,
+                    "p=f32,c=nvfp4,o=f32", rules=rules)
+    with recipe.step_count(step):
+      return jnp.sum(f(x, w1, w2).astype(F32) ** 2)
+  w1 = jax.random.normal(jax.random.PRNGKey(1), (32, 32)) * 0.2
+  w2 = jax.random.normal(jax.random.PRNGKey(2), (32, 16)) * 0.2
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return lambda step: grad(w1, w2, jnp.int32(step))
+
+
+@pytest.mark.ci  # Five compilations of a two-layer grad (~10 s).
+def test_rule_options_turn_each_default_off():
+  rules = mpolicy.DEFAULT_RULES
+  default = _grad_fn(rules)
+  s3 = default(3)
+  # The step count changes the keys; the same step gives the same grads.
+  np.testing.assert_array_equal(s3[1], default(3)[1])
+  assert not np.array_equal(s3[1], default(4)[1])
+  for off in ({"stochastic_rounding": False}, {"hadamard": False},
+              {"seed": 1}):
+    changed = _grad_fn(rules.with_fp8(**off))(3)
+    assert not np.array_equal(changed[1], s3[1]), off
+  # Both off: the first layer's weight gradient (rotated and rounded
+  # stochastically by default) no longer depends on the step.
+  plain = _grad_fn(rules.with_fp8(stochastic_rounding=False, hadamard=False))
+  np.testing.assert_array_equal(plain(3)[0], plain(4)[0])
+
+
+def test_keys_fold_seed_place_and_step():
+  np.testing.assert_array_equal(
+      recipe.op_key(3, 1, 5),
+      jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), 1), 5))
+  assert not np.array_equal(recipe.op_key(0, 0), recipe.op_key(0, 1))
+
+
+def test_explain_names_the_recipe_and_options_are_checked():
+  x, w = jnp.ones((4, 32)), jnp.ones((32, 8))
+  f = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=nvfp4,o=bf16")
+  (row,) = [r for r in mpolicy.explain(f, x, w).rows
+            if r.primitive == "dot_general"]
+  assert "stochastic rounding of gradients" in row.decided_by
+  assert "16x16 Hadamard on the weight gradient" in row.decided_by
+  rules = mpolicy.DEFAULT_RULES.with_fp8(stochastic_rounding=False,
+                                         hadamard=False)
+  g = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=nvfp4,o=bf16", rules=rules)
+  (row,) = [r for r in mpolicy.explain(g, x, w).rows
+            if r.primitive == "dot_general"]
+  assert "stochastic" not in row.decided_by and "Hadamard" not in row.decided_by
+  with pytest.raises(ValueError, match="hadamard='yes'.*True or False"):
+    mpolicy.DEFAULT_RULES.with_fp8(hadamard="yes")
+  with pytest.raises(TypeError, match="unknown options \\['hadamrd'\\]"):
+    mpolicy.DEFAULT_RULES.with_fp8(hadamrd=False)
+
+
+def test_block_dot_general_without_a_key_uses_key_zero():
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 32))
+  w = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+  f = lambda key: jax.grad(lambda w: jnp.sum(matmul.block_dot_general(
+      x, w, DN, "nvfp4", out_dtype=F32, key=key)))(w)
+  np.testing.assert_array_equal(f(None), f(jax.random.PRNGKey(0)))
