@@ -542,3 +542,24 @@ def test_lower_modules_take_nothing_from_higher_ones(graph):
     assert chain is None, f"{start} reaches training: {_describe(graph, chain)}"
   assert "tree_paths" in graph["debugging.program"].imports
   assert "tree_paths" in graph["training.attribution"].imports
+
+
+def _class_names() -> dict[str, list[str]]:
+  """Each public class name (no leading ``_``: a private helper class is
+  its module's own) defined at any depth in mpolicy/, with its files."""
+  found = collections.defaultdict(list)
+  for path in sorted(_SRC.parent.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+        found[node.name].append(path.relative_to(_SRC.parent.parent)
+                                .as_posix())
+  return found
+
+
+def test_no_two_classes_share_a_name():
+  """One name, one idea: a reader who meets `Decision` finds one class."""
+  found = _class_names()
+  shared = {name: files for name, files in found.items() if len(files) > 1}
+  assert not shared, (
+      f"Classes defined more than once (rename one of each): {shared}")
+  assert found["Decision"] == ["mpolicy/_src/observe.py"]  # It sees them.

@@ -71,7 +71,7 @@ class Counts:
 
 
 @dataclasses.dataclass
-class Site:
+class ProbeSite:
   """One float8 op seen by the probe: where, what shape, its counts by role
   (``"lhs"``, ``"rhs"``, ``"cotangent"``)."""
   label: str
@@ -82,7 +82,7 @@ class Site:
 
 
 class _State(threading.local):
-  sites: Optional[dict[str, Site]] = None
+  sites: Optional[dict[str, ProbeSite]] = None
 
 
 _state = _State()
@@ -90,10 +90,10 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def probe() -> Iterator[dict[str, Site]]:
+def probe() -> Iterator[dict[str, ProbeSite]]:
   """Opens a probe on this thread; yields the sites it collects."""
   prev = _state.sites
-  sites: dict[str, Site] = {}
+  sites: dict[str, ProbeSite] = {}
   _state.sites = sites
   try:
     with _OPEN(True):
@@ -114,7 +114,7 @@ def new_site(scope: str, primitive: str, shape: str) -> Optional[str]:
     return None
   sites = _state.sites
   label = f"{len(sites)}:{scope or '-'}/{primitive}"
-  sites[label] = Site(label, scope, primitive, shape)
+  sites[label] = ProbeSite(label, scope, primitive, shape)
   return label
 
 
