@@ -9,7 +9,6 @@ import jax
 from mpolicy._src.checkpoint import digests
 from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import leaves as leaves_lib
-from mpolicy._src.checkpoint import meta as meta_lib
 from mpolicy._src.checkpoint import processes
 
 
@@ -33,7 +32,7 @@ def _open(path_arg: Any, template: Any, group, what: str):
                      f"(a directory written by save_checkpoint).{hint}")
   flat, described, treedef = leaves_lib.flatten(template, what)
   meta = disk.read_meta(src, group, what)
-  meta_lib.check(meta, path, template, flat, described, what)
+  leaves_lib.check(meta, path, template, flat, described, what)
   return (src, flat, treedef, meta), None
 
 
@@ -42,22 +41,18 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
 
   `template` is a pytree like the one saved (fresh state, or
   `jax.eval_shape` of its initializer with `sharding` set where leaves
-  should go); leaves come back with its dtypes and shardings, and resuming
-  repeats bit for bit the steps of a run that never stopped. Structure,
-  shapes, dtypes, loss-scale settings and every leaf's checksum are
-  checked. The devices may differ from the save's (2 processes to 1, 4
-  devices to 2). A template leaf without a sharding comes back as saved: a
-  numpy value or number as such (`np.float64` stays float64), an array
-  with its saved sharding, or replicated where those devices are gone; an
-  array the template made outside `jit` comes back free to join sharded
-  arguments. If a save replacing `path` stopped before the new checkpoint
-  was in place, the old one is read. With `jax.distributed`, every process
-  calls it and reads what its devices hold.
+  should go); leaves come back with its dtypes and shardings, so resuming
+  repeats a run that never stopped bit for bit. Structure, shapes, dtypes,
+  loss-scale settings and every leaf's checksum are checked. The devices
+  may differ from the save's. A template leaf without a sharding comes
+  back as saved (a numpy value or number as such, an array with its saved
+  sharding, or replicated where those devices are gone). If a save
+  replacing `path` stopped before the new checkpoint was in place, the old
+  one is read. With `jax.distributed`, every process calls it.
 
-  Raises `TypeError` (not a path; `template` None), `FileNotFoundError`
-  (nothing at `path`), `ValueError` (a URL; not an mpolicy checkpoint;
-  unreadable or damaged, naming a leaf whose checksum differs; every
-  mismatch with the template) or `TimeoutError`.
+  Raises `TypeError` (not a path; `template` None), `FileNotFoundError`,
+  `ValueError` (a URL; not an mpolicy checkpoint; damaged, naming a leaf
+  whose checksum differs; any mismatch with the template), `TimeoutError`.
 
   >>> import os, tempfile, mpolicy
   >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -66,8 +61,6 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   Traceback (most recent call last):
   ...
   ValueError: The checkpoint does not match the template: the root: the checkpoint's DynamicLossScale has period=10, the template's DynamicLossScale has period=2000 (build the template with the saved settings; change them after restoring if you mean to).
-
-  See also: `save_checkpoint`, `CheckpointManager`.
   """
   what = "restore_checkpoint"
   group = processes.Processes(what)

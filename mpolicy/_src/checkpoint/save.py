@@ -12,7 +12,6 @@ import jax
 from mpolicy._src.checkpoint import digests
 from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import leaves as leaves_lib
-from mpolicy._src.checkpoint import meta as meta_lib
 from mpolicy._src.checkpoint import processes
 
 
@@ -89,7 +88,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
     if group.primary:
       made.append(disk.scratch(dest, overwrite, what))
       shared["scratch"] = made[0]
-    return (dest, flat, meta_lib.build(tree, flat, described)), shared
+    return (dest, flat, leaves_lib.build(tree, flat, described)), shared
 
   def check(flat, shared, meta):
     _agree(shared, list(flat), what)
