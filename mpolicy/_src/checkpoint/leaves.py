@@ -19,8 +19,8 @@ _NUMBERS = (bool, int, float)
 
 
 def is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32,
+                               jax.dtypes.prng_key)
 
 
 def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
@@ -45,15 +45,13 @@ def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
 def flatten(tree: Any, what: str):
   """`({keystr: leaf}, {keystr: (dtype, shape)}, treedef)`."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  flat, described = {}, {}
-  for path, leaf in leaves:
-    key = jax.tree_util.keystr(path)
-    if key in flat:
-      raise ValueError(f"{what}: two leaves share the path {key!r}; give "
-                       "them distinct keys.")
-    described[key] = describe(key, leaf, what)
-    flat[key] = leaf
-  return flat, described, treedef
+  flat = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+  if len(flat) < len(leaves):
+    key = next(k for k in flat if sum(jax.tree_util.keystr(p) == k
+                                      for p, _ in leaves) > 1)
+    raise ValueError(f"{what}: two leaves share the path {key!r}; give "
+                     "them distinct keys.")
+  return flat, {k: describe(k, v, what) for k, v in flat.items()}, treedef
 
 
 def host_kind(leaf: Any) -> Optional[str]:
@@ -61,12 +59,6 @@ def host_kind(leaf: Any) -> Optional[str]:
   kinds = ((np.ndarray, "ndarray"), (np.generic, "generic"),
            (_NUMBERS, type(leaf).__name__))
   return next((kind for t, kind in kinds if isinstance(leaf, t)), None)
-
-
-def held_whole(leaf: Any) -> bool:
-  """Whether each process holds the whole leaf (in a multi-process run)."""
-  return (leaf.is_fully_addressable if isinstance(leaf, jax.Array)
-          else host_kind(leaf) is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +76,6 @@ def to_global(leaf: jax.Array) -> jax.Array:
           if d.process_index == jax.process_index()]  # In the mesh's order.
   shards = [jax.device_put(leaf, d) for d in mine]
   return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
-
-
-def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
-  """Whether a host value saved in `saved_dtype` cannot fill an abstract
-  leaf (whose dtype JAX canonicalized: float64 -> float32 without x64)."""
-  return jax.dtypes.canonicalize_dtype(saved_dtype) != template.dtype
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
@@ -144,6 +130,7 @@ def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
                   else weak)
   return restored
 
+
 FORMAT, VERSION = "mpolicy.checkpoint", 3  # Version 2 had no checksums.
 _SETTINGS = {
     loss_scale_lib.DynamicLossScale: ("period", "factor", "min_loss_scale"),
@@ -172,17 +159,16 @@ def _differences(meta: dict, template: Any, flat: dict, described: dict):
   saved, kinds = meta["leaves"], meta.get("host_values", {})
   missing = [k for k in described if k not in saved]
   extra = [k for k in saved if k not in described]
-  yield from ["missing from the checkpoint: " + ", ".join(missing)] * bool(
-      missing)
-  yield from ["in the checkpoint but not in the template: "
-              + ", ".join(extra)] * bool(extra)
+  for where, keys in (("missing from the checkpoint", missing),
+                      ("in the checkpoint but not in the template", extra)):
+    yield from [f"{where}: " + ", ".join(keys)] * bool(keys)
   for key, (dtype, shape) in described.items():
     s_dtype, s_shape = saved.get(key, (dtype, shape))
     if (s_dtype, s_shape) != (dtype, shape) and not (
         key in kinds and s_shape == shape
         and isinstance(flat[key], jax.ShapeDtypeStruct)
-        and not abstract_mismatch(s_dtype, flat[key])):
-      # (Above: jax.eval_shape gave a 64-bit host value JAX's own dtype.)
+        and jax.dtypes.canonicalize_dtype(s_dtype) == flat[key].dtype):
+      # (jax.eval_shape gave a 64-bit host value JAX's dtype: float32.)
       yield (f"{key}: checkpoint has {s_dtype}{s_shape}, template wants "
              f"{dtype}{shape}")
   for key, want in settings(template).items():
