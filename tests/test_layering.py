@@ -563,3 +563,18 @@ def test_no_two_classes_share_a_name():
   assert not shared, (
       f"Classes defined more than once (rename one of each): {shared}")
   assert found["Decision"] == ["mpolicy/_src/observe.py"]  # It sees them.
+
+
+# The checkpoint layer keeps to what orbax lacks (agreement and timeouts
+# across processes, per-leaf checksums, checks against the template, the
+# `.mpolicy-old` recovery); it may not grow past this many lines.
+CHECKPOINT_LINES = 840
+
+
+def test_the_checkpoint_layer_stays_small():
+  files = sorted((_SRC / "checkpoint").glob("*.py"))
+  lines = {p.name: len(p.read_text().splitlines()) for p in files}
+  assert {"processes.py", "disk.py"} <= set(lines)  # It finds the layer.
+  assert sum(lines.values()) <= CHECKPOINT_LINES, (
+      f"The checkpoint layer has {sum(lines.values())} lines (at most "
+      f"{CHECKPOINT_LINES}): {lines}. Let orbax do what it does.")

@@ -138,7 +138,7 @@ def _open(path_arg: Any, template: Any, group, what: str):
     raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
                      f"(a directory written by save_checkpoint).{hint}")
   flat, described, treedef = leaves_lib.flatten(template, what)
-  meta = disk.read_meta(src, group, what)
+  meta = disk.read(src, group, what)
   leaves_lib.check(meta, path, template, flat, described, what)
   return (src, flat, treedef, meta), None
 
@@ -185,7 +185,7 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
     target = {k: leaves_lib.restore_target(
         v, kinds.get(k), saved[k][0], lambda k=k: saved_sharding(k))
               for k, v in flat.items()}
-    out = disk.read_state(src, target, group, what)
+    out = disk.read(src, group, what, target)
     return out, [str(digests.part(out[k], saved[k][0], group.primary))
                  for k in flat]
 
