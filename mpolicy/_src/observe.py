@@ -186,6 +186,17 @@ def watching(observer: Observer) -> Iterator[Observer]:
     _state.observers, _state.runs = prev
 
 
+@contextlib.contextmanager
+def unwatched():
+  """A block whose equations no observer is told of (a rule's own use of
+  the interpreter, not the user's program)."""
+  prev, _state.observers = _state.observers, ()
+  try:
+    yield
+  finally:
+    _state.observers = prev
+
+
 def active() -> bool:
   """Whether an observer is watching on this thread."""
   return bool(_state.observers)
