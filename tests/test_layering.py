@@ -431,8 +431,7 @@ _OLDER_NAMES = {
     "test_fp8_sharding": "fp8_mesh",
     "test_rule_tables": "facts",
 }
-_TESTED_ELSEWHERE = {"fp8_probe": "tests/test_fp8_stats.py",
-                     "conv": "tests/rules/test_grad_rules.py"}
+_TESTED_ELSEWHERE = {"conv": "tests/rules/test_grad_rules.py"}
 
 
 def _family_of(test: str, families: set[str]) -> str | None:

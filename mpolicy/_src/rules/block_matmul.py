@@ -33,6 +33,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import observe
 from mpolicy._src.blocks import formats
 from mpolicy._src.blocks import quantize
 
@@ -72,9 +73,14 @@ class BlockConfig(NamedTuple):
   rhs_dtype: Any
   lhs_tiles: bool = False  # nvfp4: 16 x 16 tiles (the operand is a weight).
   rhs_tiles: bool = False
+  label: Optional[str] = None  # `observe.quantization_site`'s.
 
 
-def _q(x, config: BlockConfig, axis: int, tiles: bool):
+def _q(x, config: BlockConfig, axis: int, tiles: bool, role=None):
+  """``x`` fake-quantized; told to observers as ``role`` (if given)."""
+  if role is not None:
+    observe.quantized(config.label, observe.Quantization(
+        role, config.fmt, x, axis=axis, two_d=tiles))
   return quantize.fake_quantize(x, config.fmt, axis, two_d=tiles)
 
 
@@ -87,8 +93,8 @@ def _dot(a, b, contract, batched):
 
 def _fwd(a, b, config: BlockConfig):
   nb = 1 if config.batched else 0
-  aq = _q(a, config, -1, config.lhs_tiles)  # [B,] M, K: blocks along K.
-  bq = _q(b, config, -2, config.rhs_tiles)  # [B,] K, N: blocks along K.
+  aq = _q(a, config, -1, config.lhs_tiles, "lhs")  # [B,] M, K: along K.
+  bq = _q(b, config, -2, config.rhs_tiles, "rhs")  # [B,] K, N: along K.
   out = _dot(aq, bq, ((nb + 1,), (nb,)), config.batched)
   return out.astype(config.out_dtype), (a, b)
 
@@ -98,10 +104,12 @@ def _bwd(config: BlockConfig, residuals, g):
   nb = 1 if config.batched else 0
   g = g.astype(jnp.float32)
   # d lhs [B, M, K] = g [B, M, N] . rhs [B, K, N] over N.
-  da = _dot(_q(g, config, -1, False), _q(b, config, -1, config.rhs_tiles),
+  da = _dot(_q(g, config, -1, False, "cotangent"),
+            _q(b, config, -1, config.rhs_tiles),
             ((nb + 1,), (nb + 1,)), config.batched)
   # d rhs [B, K, N] = lhs [B, M, K] . g [B, M, N] over M.
-  db = _dot(_q(a, config, -2, config.lhs_tiles), _q(g, config, -2, False),
+  db = _dot(_q(a, config, -2, config.lhs_tiles),
+            _q(g, config, -2, False, "cotangent"),
             ((nb,), (nb,)), config.batched)
   return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype)
 
@@ -114,10 +122,11 @@ blocked_mm.defvjp(_fwd, _bwd)
 
 
 def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
-               lhs_param: bool, rhs_param: bool) -> BlockConfig:
+               lhs_param: bool, rhs_param: bool,
+               label: Optional[str] = None) -> BlockConfig:
   """The `BlockConfig` of a matmul of ``lhs`` and ``rhs`` (either a
   parameter: nvfp4 tiles it)."""
   tiles = fmt.two_level
   return BlockConfig(fmt.name, batched, np.dtype(out_dtype),
                      np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                     tiles and lhs_param, tiles and rhs_param)
+                     tiles and lhs_param, tiles and rhs_param, label)

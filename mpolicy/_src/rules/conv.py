@@ -196,7 +196,7 @@ class _Fp8Config(NamedTuple):
   rhs_dtype: np.dtype
   lhs_mesh: tuple = ()  # `shard_map` axes each per-tensor scale spans.
   rhs_mesh: tuple = ()
-  label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
+  label: Optional[str] = None  # `observe.quantization_site`'s.
 
   def observe(self, role: str):
     return None if self.label is None else (self.label, role)
@@ -267,7 +267,8 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
   Args:
     lhs, rhs: the input and the kernel, floating arrays.
     out_dtype: the result dtype; bfloat16 if ``None``.
-    label: the `fp8_probe` site whose counts its quantizations add to.
+    label: what its quantizations are told to observers by
+      (`observe.quantization_site`).
     **params: the convolution's shape params, as described above.
 
   Returns:
