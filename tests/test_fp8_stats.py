@@ -82,6 +82,9 @@ def test_the_probe_leaves_later_calls_without_callbacks():
   after = f(x, w)
   np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
   assert not any("callback" in e.primitive.name for e in all_eqns(f, x, w))
+  again = mpolicy.fp8_stats(f, x, w)  # Counted anew, not into the first.
+  assert again.rows[0].counts["lhs"].calls == 1
+  assert report.rows[0].counts["lhs"].calls == 1
 
 
 def test_without_a_float8_policy_the_report_is_empty_and_says_why():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 from typing import Any, Callable
 
@@ -28,9 +29,11 @@ from mpolicy._src.blocks import quantize as blocks_quantize
 ROLES = ("lhs", "rhs", "cotangent")
 """The quantized values of one op: its two operands, then its cotangent."""
 
-# Part of JAX's jit cache key: a run of `fp8_stats` never reuses a program
-# compiled without it (which would count nothing), nor the reverse.
-_COUNTING = jax.make_user_context(default_value=False)
+# Part of JAX's jit cache key, a number per run: a run of `fp8_stats` never
+# reuses a program compiled without it or by another run (whose callbacks
+# count for that run), nor the reverse.
+_COUNTING = jax.make_user_context(default_value=0)
+_runs = itertools.count(1)
 _LOCK = threading.Lock()
 
 
@@ -269,7 +272,7 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
     return sum(jnp.sum(l.astype(jnp.float32)) for l in leaves
                if dtypes.float_value(l))
 
-  with _COUNTING(True), observe.watching(_Counter()) as counter:
+  with _COUNTING(next(_runs)), observe.watching(_Counter()) as counter:
     if wrt:
       jax.grad(total, argnums=wrt)(*arrays)
     else:
