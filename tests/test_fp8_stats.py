@@ -82,6 +82,9 @@ def test_the_probe_leaves_later_calls_without_callbacks():
   after = f(x, w)
   np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
   assert not any("callback" in e.primitive.name for e in all_eqns(f, x, w))
+  again = mpolicy.fp8_stats(f, x, w)  # Counted anew, not into the first.
+  assert again.rows[0].counts["lhs"].calls == 1
+  assert report.rows[0].counts["lhs"].calls == 1
 
 
 def test_without_a_float8_policy_the_report_is_empty_and_says_why():
@@ -89,3 +92,71 @@ def test_without_a_float8_policy_the_report_is_empty_and_says_why():
                              jnp.ones((2, 2)))
   assert report.rows == ()
   assert "no float8 op ran" in report.note and "no float8 op ran" in str(report)
+
+
+def test_float8_counts_by_format():
+  f = mpolicy.amp(lambda x, w: jnp.sum(x @ w), F8)
+  x = jnp.array([[1.0, 1e-9], [2.0, 3.0]])
+  report = mpolicy.fp8_stats(f, x, jnp.ones((2, 3)))
+  formats = report.by_format()
+  assert list(formats) == ["float8_e4m3fn", "float8_e5m2"]
+  forward, backward = formats.values()
+  assert (forward.values, forward.underflow, forward.calls) == (10, 1, 2)
+  assert (backward.values, backward.underflow, backward.calls) == (6, 0, 1)
+  assert [report.rows[0].counts[r].format for r in ("lhs", "cotangent")] == [
+      "float8_e4m3fn", "float8_e5m2"]
+  assert "float8_e5m2" in str(report) and str(report).endswith("1 float8 op")
+
+
+_NO_RECIPE = mpolicy.DEFAULT_RULES.with_fp8(stochastic_rounding=False,
+                                            hadamard=False)
+
+
+def _block_counts(fmt, x, rules=_NO_RECIPE):
+  """`(values, nonzero, underflow, saturated, calls, scale range)` by role
+  of ``sum(x @ ones)`` under ``c=fmt`` (the NVFP4 recipe's rounding and
+  rotation off unless ``rules`` says), and the report."""
+  f = mpolicy.amp(lambda x, w: jnp.sum(x @ w), f"p=f32,c={fmt},o=f32",
+                  rules=rules)
+  report = mpolicy.fp8_stats(f, x, jnp.ones((32, 1)))
+  (row,) = report.rows
+  return {role: (c.values, c.nonzero, c.underflow, c.saturated, c.calls,
+                 (c.scale_min, c.scale_max))
+          for role, c in row.counts.items()}, report
+
+
+def test_mxfp4_counts_what_its_block_scale_pushes_below_its_smallest_value():
+  # One block of 32: amax 64, scale 2**ceil(log2(64 / 6)) = 16. Each 1
+  # becomes 1/16, below float4_e2m1's smallest step (0.5): 31 underflow.
+  counts, report = _block_counts("mxfp4", jnp.ones((1, 32)).at[0, 0].set(64.))
+  assert counts["lhs"] == (32, 32, 31, 0, 1, (16.0, 16.0))
+  assert counts["rhs"] == (32, 32, 0, 0, 1, (0.25, 0.25))  # Ones: 2**-2.
+  # The cotangent (1 x 1) is quantized once per backward matmul.
+  assert counts["cotangent"] == (2, 2, 0, 0, 2, (0.25, 0.25))
+  # With the recipe's Hadamard rotation the weight gradient's cotangent is
+  # quantized rotated: its one row spread over 16 (M padded to 16).
+  recipe, _ = _block_counts("mxfp4", jnp.ones((1, 32)).at[0, 0].set(64.),
+                            mpolicy.DEFAULT_RULES)
+  assert recipe["cotangent"][:2] == (1 + 16, 1 + 16)
+  assert list(report.by_format()) == ["mxfp4"]
+  assert report.by_format()["mxfp4"].underflow == 31
+  assert str(report).endswith("1 quantized op")
+
+
+def test_nvfp4_counts_a_value_clamped_by_its_rounded_down_block_scale():
+  # Tensor scale 2688 / (448 * 6) = 1. Block 0 (amax 2688): scale 448,
+  # exact; its fifteen 1s become 1/448: underflow. Block 1 (amax 299):
+  # 299 / 6 = 49.8 rounds to 48 in float8_e4m3fn, so 299 / 48 = 6.23 is
+  # clamped to 6: saturated; its fifteen 1s (1/48) underflow.
+  x = jnp.ones((1, 32)).at[0, 0].set(2688.).at[0, 16].set(299.)
+  counts, _ = _block_counts("nvfp4", x)
+  assert counts["lhs"] == (32, 32, 30, 1, 1, (48.0, 448.0))
+
+
+def test_mxfp8_counts_a_non_finite_value_as_saturated():
+  # The inf's block goes non-finite: its other values are lost with it
+  # (underflow, as float8 counts them); the zero is not counted.
+  x = jnp.ones((1, 32)).at[0, 0].set(jnp.inf).at[0, 3].set(0.)
+  counts, _ = _block_counts("mxfp8", x)
+  assert counts["lhs"][:5] == (32, 31, 30, 1, 1)
+  assert counts["rhs"] == (32, 32, 0, 0, 1, (2. ** -8, 2. ** -8))

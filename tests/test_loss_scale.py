@@ -11,6 +11,7 @@ import jmp
 import numpy as np
 import pytest
 
+import mpolicy
 from mpolicy._src import loss_scale as ls_lib
 
 DynamicLossScale = ls_lib.DynamicLossScale
@@ -443,3 +444,13 @@ def test_unittest_assert_warns_works_with_mpolicy_imported():
   with case.assertWarnsRegex(Warning, "Expected floating type for loss_scale"):
     DynamicLossScale(jnp.asarray(1, dtype=jnp.int32))
 
+
+
+def test_all_finite_answers_false_under_jax_debug_infs():
+  # With jax_debug_infs on, a check for infs must answer, not raise.
+  x = jnp.array([1., jnp.inf])
+  with jax.debug_infs(True):
+    assert not bool(mpolicy.all_finite({"a": x, "b": jnp.ones(2)}))
+    assert not bool(jax.jit(mpolicy.all_finite)([jnp.arange(2), x]))
+    assert not bool(mpolicy.all_finite(float("inf")))
+    assert bool(mpolicy.all_finite([jnp.ones(2)]))

@@ -58,7 +58,7 @@ def class_entry(cls: type, table: dict, root: type) -> Optional[type]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class TableMatch:
   """What the table says of one module, before inheritance (rule 3).
 
   Attributes:
@@ -107,7 +107,7 @@ class Decision:
 
 
 def decide(name: Optional[str], cls: Optional[type], root: Optional[type],
-           table: Optional[dict] = None) -> Decision:
+           table: Optional[dict] = None) -> TableMatch:
   """What the registry holds for module ``name`` of class ``cls``.
 
   Args:
@@ -130,7 +130,7 @@ def decide(name: Optional[str], cls: Optional[type], root: Optional[type],
   entry = class_entry(cls, table, root) if cls is not None else None
   default = (root if root is not None
              and registry.lookup(table, root) is not None else None)
-  return Decision(patterns, entry, default, table)
+  return TableMatch(patterns, entry, default, table)
 
 
 def region_for_call(name: str, cls: type,

@@ -1,14 +1,19 @@
-"""What float8 quantization loses, measured on a probe batch.
+"""What float8 and block-format quantization loses, measured on a probe batch.
 
-`fp8_stats` runs a function once forward and backward with the float8
-probe open (`rules.fp8_probe`) and reports, for each float8 matmul and
-convolution, the fraction of its operands' and its cotangent's values that
-underflowed to zero and that saturated, and the range of the scales used.
+`fp8_stats` runs a function once forward and backward, watching the
+interpreter through its seam (`observe`): the rule of each float8 or
+block-format matmul and convolution tells the seam of every value it
+quantizes (its operands forward, its cotangent backward), and the counter
+here adds up, per op, role and format, the values that underflowed to zero
+and that saturated, and the range of the scales used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import threading
 from typing import Any, Callable
 
 import jax
@@ -17,18 +22,121 @@ import jax.numpy as jnp
 from mpolicy._src import amp as amp_lib
 from mpolicy._src import arguments
 from mpolicy._src import dtypes
+from mpolicy._src import observe
 from mpolicy._src import tables
-from mpolicy._src.rules import fp8_probe
+from mpolicy._src.blocks import quantize as blocks_quantize
 
 ROLES = ("lhs", "rhs", "cotangent")
 """The quantized values of one op: its two operands, then its cotangent."""
 
-Counts = fp8_probe.Counts
+# Part of JAX's jit cache key, a number per run: a run of `fp8_stats` never
+# reuses a program compiled without it or by another run (whose callbacks
+# count for that run), nor the reverse.
+_COUNTING = jax.make_user_context(default_value=0)
+_runs = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class Counts:
+  """What one value's quantizations lost, summed over the calls seen.
+
+  Attributes:
+    values: how many values were quantized.
+    nonzero: how many of them were nonzero.
+    underflow: nonzero values that became zero.
+    saturated: values beyond the format's range (clamped at its largest
+      value, after their scale), non-finite ones included.
+    scale_min, scale_max: the smallest and largest scale used (for a block
+      format, the blocks' scales; nvfp4's times its tensor scale).
+    calls: how many quantizations were counted.
+    format: the format: ``"float8_e4m3fn"``, ``"float8_e5m2"``,
+      ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
+  """
+  values: int = 0
+  nonzero: int = 0
+  underflow: int = 0
+  saturated: int = 0
+  scale_min: float = float("inf")
+  scale_max: float = float("-inf")
+  calls: int = 0
+  format: str = ""
+
+  def add(self, values, nonzero, underflow, saturated, smin, smax,
+          calls=1) -> None:
+    self.values += int(values)
+    self.nonzero += int(nonzero)
+    self.underflow += int(underflow)
+    self.saturated += int(saturated)
+    self.scale_min = min(self.scale_min, float(smin))
+    self.scale_max = max(self.scale_max, float(smax))
+    self.calls += int(calls)
+
+  @property
+  def underflow_fraction(self) -> float:
+    """Nonzero values that became zero, as a fraction of the nonzero ones."""
+    return self.underflow / self.nonzero if self.nonzero else 0.0
+
+  @property
+  def saturated_fraction(self) -> float:
+    """Values clamped to the format's range, as a fraction of all values."""
+    return self.saturated / self.values if self.values else 0.0
+
+
+def _float8_stats(qz: observe.Quantization) -> tuple:
+  x = qz.x.astype(jnp.float32)
+  nonzero = x != 0
+  return (jnp.asarray(x.size, jnp.int32), jnp.sum(nonzero, dtype=jnp.int32),
+          jnp.sum(nonzero & (qz.q.astype(jnp.float32) == 0), dtype=jnp.int32),
+          jnp.sum(~(jnp.abs(x / qz.scale) <= qz.fmax), dtype=jnp.int32),
+          jnp.min(qz.scale), jnp.max(qz.scale))
+
+
+def _block_stats(qz: observe.Quantization) -> tuple:
+  """An element underflows if nonzero but quantized to zero, saturates if
+  clamped at the format's largest element after its block's scale (or not
+  finite); counted as rounding to nearest quantizes."""
+  q = blocks_quantize.quantize_blocks(qz.x, qz.fmt, qz.axis, two_d=qz.two_d)
+  x = qz.x.astype(jnp.float32)
+  back = blocks_quantize.dequantize_blocks(q)
+  elements = q.elements.astype(jnp.float32)
+  fmax = float(jnp.finfo(q.elements.dtype).max)
+  nonzero = x != 0
+  clamped = (jnp.abs(elements) == fmax) & (jnp.abs(x) > jnp.abs(back))
+  scales = q.scales.astype(jnp.float32)
+  if q.tensor_scale is not None:
+    scales = scales * q.tensor_scale
+  return (jnp.asarray(x.size, jnp.int32), jnp.sum(nonzero, dtype=jnp.int32),
+          jnp.sum(nonzero & jnp.isfinite(x) & (elements == 0),
+                  dtype=jnp.int32),
+          jnp.sum(~jnp.isfinite(x) | clamped, dtype=jnp.int32),
+          jnp.nanmin(scales), jnp.nanmax(scales))
+
+
+class _Counter(observe.Observer):
+  """Counts each quantization the rules tell the seam of, per op and role
+  (on the host, as the program runs)."""
+
+  def __init__(self):
+    self.ops: dict[int, tuple[observe.QuantizedOp, dict[str, Counts]]] = {}
+
+  def quantized(self, op: observe.QuantizedOp,
+                quantization: observe.Quantization) -> None:
+    counts = self.ops.setdefault(id(op), (op, {}))[1]
+    stats = (_float8_stats if quantization.q is not None else _block_stats)(
+        quantization)
+    jax.debug.callback(functools.partial(
+        _collect, counts, quantization.role, quantization.fmt), *stats)
+
+
+def _collect(counts: dict, role: str, fmt: str, *stats) -> None:
+  with _LOCK:
+    counts.setdefault(role, Counts(format=fmt)).add(*stats)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Row:
-  """One float8 op and what quantizing its values lost.
+  """One float8 or block-format op and what quantizing its values lost.
 
   Attributes:
     scope: the name scope it was traced under (``""`` at top level).
@@ -53,13 +161,27 @@ class Fp8Row:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Report:
-  """What `fp8_stats` found: one `Fp8Row` per float8 op, in trace order.
+  """What `fp8_stats` found: one `Fp8Row` per quantized op, in trace order.
 
-  ``str(report)`` is a table: per op and role, the underflow and saturation
-  percentages and the scale range.
+  ``str(report)`` is a table: per op and role, the format, the underflow
+  and saturation percentages and the scale range; then the same per format
+  (`by_format`).
   """
   rows: tuple[Fp8Row, ...]
   note: str = ""
+
+  def by_format(self) -> dict[str, Counts]:
+    """The counts summed over every op and role, per format, in the order
+    first seen (``{"float8_e4m3fn": ..., "float8_e5m2": ...}``)."""
+    out: dict[str, Counts] = {}
+    for r in self.rows:
+      for role in ROLES:
+        c = r.counts.get(role)
+        if c is not None:
+          out.setdefault(c.format, Counts(format=c.format)).add(
+              c.values, c.nonzero, c.underflow, c.saturated, c.scale_min,
+              c.scale_max, c.calls)
+    return out
 
   def to_dict(self) -> dict[str, Any]:
     """Plain data for logging or JSON."""
@@ -68,40 +190,50 @@ class Fp8Report:
                       "counts": {k: dataclasses.asdict(v)
                                  for k, v in r.counts.items()}}
                      for r in self.rows],
+            "formats": {k: dataclasses.asdict(v)
+                        for k, v in self.by_format().items()},
             "note": self.note}
 
   def __str__(self) -> str:
-    header = ("scope", "primitive", "shapes", "values", "underflow",
-              "saturated", "scales")
-    lines = []
-    for r in self.rows:
-      for role in ROLES:
-        c = r.counts.get(role)
-        if c is None:
-          continue
-        lines.append((r.scope or "-", r.primitive, r.shapes, role,
-                      f"{100 * c.underflow_fraction:.3f}%",
-                      f"{100 * c.saturated_fraction:.3f}%",
-                      f"{c.scale_min:.3g} .. {c.scale_max:.3g}"))
+    header = ("scope", "primitive", "shapes", "values", "format",
+              "underflow", "saturated", "scales")
+    numbers = lambda c: (f"{100 * c.underflow_fraction:.3f}%",
+                         f"{100 * c.saturated_fraction:.3f}%",
+                         f"{c.scale_min:.3g} .. {c.scale_max:.3g}")
+    lines = [(r.scope or "-", r.primitive, r.shapes, role,
+              r.counts[role].format, *numbers(r.counts[role]))
+             for r in self.rows for role in ROLES if role in r.counts]
     out = [tables.text_table(header, lines)]
-    out.append(f"{len(self.rows)} float8 op{'' if len(self.rows) == 1 else 's'}"
+    formats = self.by_format()
+    if formats:
+      out.append(tables.text_table(
+          ("format", "values", "underflow", "saturated", "scales"),
+          [(f, str(c.values), *numbers(c)) for f, c in formats.items()]))
+    kind = ("float8" if all(f.startswith("float8") for f in formats)
+            else "quantized")
+    out.append(f"{len(self.rows)} {kind} op{'' if len(self.rows) == 1 else 's'}"
                + (f" ({self.note})" if self.note else ""))
     return "\n".join(out)
 
 
 def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
   """Runs ``fn(*args, **kwargs)`` forward and backward on a probe batch and
-  reports, per float8 op, what quantization lost.
+  reports, per float8 or block-format op and per format, what quantization
+  lost.
 
   ``fn`` is an `amp`-ed function (or `transform_amp`'s ``apply``) under a
-  float8 policy (``c=f8``). The forward pass quantizes each op's operands,
+  float8 policy (``c=f8``) or a block format (``c=mxfp8``, ``c=mxfp4``,
+  ``c=nvfp4``). The forward pass quantizes each op's operands,
   the backward pass (the gradient of the sum of ``fn``'s floating outputs
   with respect to its floating array arguments: pass your loss function to
   see the cotangents training sees) its cotangent. For each, the report
   gives the fraction of nonzero values that underflowed to zero, the
-  fraction clamped to the float8 range (non-finite values included), and
-  the smallest and largest scale. Counts add up over every call of an op
-  (inside a loop, say). The program runs for real, once, with extra
+  fraction clamped at the format's largest value after its scale
+  (non-finite values included), and the smallest and largest scale. Under
+  a block format the cotangent is quantized twice (once per backward
+  matmul; two calls), the scales are the blocks', and the counts are those
+  of rounding to nearest. Counts add up over every call of an op (inside a
+  loop, say). The program runs for real, once, with extra
   reductions and host callbacks; a later call of ``fn`` compiles without
   them.
 
@@ -140,14 +272,15 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
     return sum(jnp.sum(l.astype(jnp.float32)) for l in leaves
                if dtypes.float_value(l))
 
-  with fp8_probe.probe() as sites:
+  with _COUNTING(next(_runs)), observe.watching(_Counter()) as counter:
     if wrt:
       jax.grad(total, argnums=wrt)(*arrays)
     else:
       flat(*arrays)
     jax.effects_barrier()
-  rows = tuple(Fp8Row(s.scope, s.primitive, s.shape, dict(s.counts))
-               for s in sites.values())
-  note = "" if rows else ("no float8 op ran: is fn amp-ed under a policy "
-                          "whose compute dtype is f8?")
+  rows = tuple(Fp8Row(op.scope, op.primitive, op.shapes, dict(counts))
+               for op, counts in counter.ops.values())
+  note = "" if rows else (
+      "no float8 op ran: is fn amp-ed under a policy whose compute dtype is "
+      "f8 or a block format (mxfp8, mxfp4, nvfp4)?")
   return Fp8Report(rows, note)

@@ -39,6 +39,7 @@ from mpolicy._src import staged
 from mpolicy._src import stepping
 from mpolicy._src import sub_computations
 from mpolicy._src import widen
+from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import facts as facts_lib
 
 
@@ -483,12 +484,15 @@ class Step:
     traced: inside a body traced once for every device.
     outs_read: per output, whether the forward pass reads it (``None``:
       all of them, outside a backward pass).
+    binds: primitive -> ``bind(eqn, invals)`` giving its outputs (a
+      list), bound so instead of as written (see `replay_binding`).
   """
   iteration: Optional[int] = None
   device: Any = None
   transforms: tuple[str, ...] = ()
   traced: bool = False
   outs_read: Optional[tuple[bool, ...]] = None
+  binds: Any = None
 
 
 def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
@@ -506,8 +510,30 @@ def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
                     ())
 
 
+def replay_binding(closed: jax_compat.ClosedJaxpr, args, binds) -> list:
+  """Runs ``closed`` on ``args`` (traced or not) as written, untold to any
+  observer, binding each primitive of ``binds`` (primitive ->
+  ``bind(eqn, invals)`` giving its outputs, a list) as it says.
+
+  An op rule that reuses JAX's own rule for its primitive (a convolution's
+  transpose, traced by JAX, its convolutions bound as mpolicy's) runs it so.
+  """
+  config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, quiet=True,
+                  step=Step(binds=binds))
+  with observe.unwatched():
+    return eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), config,
+                      ())
+
+
+amp_primitive.install_replay(replay_binding)
+
+
 def _step(env: Env, eqn, invals, names, config: Config, eq, rule) -> list:
-  """Runs ``eqn`` of a replayed program: by its step rule, else as one."""
+  """Runs ``eqn`` of a replayed program: as `Step.binds` says, by its step
+  rule, else as one."""
+  bind = (config.step.binds or {}).get(eqn.primitive)
+  if bind is not None:
+    return list(bind(eqn, invals))
   step_rule = (None if rule is None else
                stepping.rule_for(eqn.primitive, config.step.traced))
   if step_rule is not None:

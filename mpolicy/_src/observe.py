@@ -11,7 +11,10 @@ equations), and, where the interpreter steps through a loop or a
 
 `explain` records the decisions, the debugger names every op of the
 user's code (`sites`) and checks every value of a replayed program
-(`debugging.check`): all through this seam. Outside a block the
+(`debugging.check`), and `fp8_stats` counts what each float8 or
+block-format quantization loses (`Observer.quantized`, told by the rules
+of the ops they quantize, forward and in the backward pass): all through
+this seam. Outside a block the
 interpreter does nothing extra.
 
 >>> import jax, jax.numpy as jnp
@@ -129,6 +132,40 @@ class Equation:
     return "/".join(regions.plain_scope_names(self.names))
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedOp:
+  """A float8 or block-format op whose quantizations are told to observers
+  (`quantization_site`): the equation running it, its name scope, its
+  primitive's name and its operands' shapes (``"MxK, KxN"``)."""
+  eq: Optional[Equation]
+  scope: str
+  primitive: str
+  shapes: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+  """One quantization an op's rule made (see `Observer.quantized`).
+
+  Attributes:
+    role: ``"lhs"``, ``"rhs"`` (forward operands) or ``"cotangent"``.
+    fmt: the format: a float8 dtype's name (``"float8_e4m3fn"``) or a block
+      format's (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``).
+    x: the values quantized (traced).
+    q, scale, fmax: float8: the quantized values, their scale
+      (``x ~= q * scale``) and the dtype's largest value.
+    axis, two_d: block formats: the blocked axis; 16 x 16 tiles.
+  """
+  role: str
+  fmt: str
+  x: Any
+  q: Any = None
+  scale: Any = None
+  fmax: float = 0.0
+  axis: int = -1
+  two_d: bool = False
+
+
 class Observer:
   """Watches the interpreter; each method does nothing unless overridden."""
 
@@ -165,11 +202,20 @@ class Observer:
     """Called once the body of ``eq`` ran: ``per_device`` holds a row per
     device of what `carried` returned; ``outs`` are its results."""
 
+  def quantized(self, op: QuantizedOp, quantization: Quantization) -> None:
+    """Called where the rule of ``op`` quantizes one of its values (while
+    it is traced, forward or backward), if this observer overrides it."""
+
+
+def _wants_quantizations(o: Observer) -> bool:
+  return type(o).quantized is not Observer.quantized
+
 
 class _State(threading.local):
   observers: tuple[Observer, ...] = ()
   open: tuple[Equation, ...] = ()
   runs: int = 0
+  sites: Optional[dict[str, QuantizedOp]] = None
 
 
 _state = _State()
@@ -178,12 +224,24 @@ _state = _State()
 @contextlib.contextmanager
 def watching(observer: Observer) -> Iterator[Observer]:
   """Tells ``observer`` about every equation the interpreter runs inside."""
-  prev = (_state.observers, _state.runs)
+  prev = (_state.observers, _state.runs, _state.sites)
   _state.observers, _state.runs = prev[0] + (observer,), 0
+  _state.sites = {} if prev[2] is None else prev[2]
   try:
     yield observer
   finally:
-    _state.observers, _state.runs = prev
+    _state.observers, _state.runs, _state.sites = prev
+
+
+@contextlib.contextmanager
+def unwatched():
+  """A block whose equations no observer is told of (a rule's own use of
+  the interpreter, not the user's program)."""
+  prev, _state.observers = _state.observers, ()
+  try:
+    yield
+  finally:
+    _state.observers = prev
 
 
 def active() -> bool:
@@ -243,6 +301,30 @@ def decided(decision: Decision) -> None:
   `rules.dispatch`; no-op outside a block)."""
   if _state.open:
     _state.open[-1].decision = decision
+
+
+def quantization_site(scope: str, primitive: str,
+                      shapes: str) -> Optional[str]:
+  """A label for the float8 or block-format op being run, for its rule's
+  quantizations to pass to `quantized` (now or in its backward pass);
+  ``None`` (nothing added to the program) unless an observer overrides
+  `Observer.quantized`."""
+  if not any(_wants_quantizations(o) for o in _state.observers):
+    return None
+  label = f"{len(_state.sites)}:{scope or '-'}/{primitive}"
+  _state.sites[label] = QuantizedOp(_state.open[-1] if _state.open else None,
+                                    scope, primitive, shapes)
+  return label
+
+
+def quantized(label: Optional[str], quantization: Quantization) -> None:
+  """Tells the observers of one quantization by the op ``label`` names
+  (no-op for ``None`` or outside the block that labelled it)."""
+  op = None if label is None else (_state.sites or {}).get(label)
+  if op is not None:
+    for o in _state.observers:
+      if _wants_quantizations(o):
+        o.quantized(op, quantization)
 
 
 def count_run() -> None:

@@ -74,7 +74,11 @@ def test_backward_quantizes_along_its_own_contraction(fmt):
   w = jax.random.normal(k[1], (64, 48)) * jnp.exp2(
       jnp.arange(48, dtype=jnp.float32)[None, :] % 16 - 8)
   ct = jax.random.normal(k[2], (32, 48)).astype(jnp.bfloat16)
-  f = mpolicy.amp(lambda x, w: x @ w, f"p=f32,c={fmt},o=bf16")
+  # Round to nearest, no rotation: the NVFP4 recipe's parts off (tested in
+  # tests/blocks/test_block_recipe.py).
+  rules = mpolicy.DEFAULT_RULES.with_fp8(stochastic_rounding=False,
+                                         hadamard=False)
+  f = mpolicy.amp(lambda x, w: x @ w, f"p=f32,c={fmt},o=bf16", rules=rules)
   _, vjp = jax.vjp(f, x, w)
   dx, dw = vjp(ct)
   assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32

@@ -183,13 +183,16 @@ def test_unknown_field_lists_the_fields_there_are():
     tx.init(_params())
 
 
-@pytest.mark.parametrize("dtypes,message", [
-    (jnp.int8, "floating dtype such as"),
-    ({"mu": "int32"}, r"dtypes\['mu'\] must be a floating dtype"),
-    (3.5, "a dtype .*, a mapping .*, or a function"),
+@pytest.mark.parametrize("dtypes,error,message", [
+    # A dtype of the wrong kind is a ValueError, as everywhere a floating
+    # dtype is asked for; what is no dtype at all is a TypeError.
+    (jnp.int8, ValueError, "floating dtype such as .* got int8"),
+    ({"mu": "int32"}, ValueError, r"dtypes\['mu'\] must be a floating dtype"),
+    ({"mu": "nonsense"}, TypeError, r"dtypes\['mu'\] must be a floating"),
+    (3.5, TypeError, "a dtype .*, a mapping .*, or a function"),
 ])
-def test_bad_dtypes_say_what_is_accepted(dtypes, message):
-  with pytest.raises(TypeError, match=message):
+def test_bad_dtypes_say_what_is_accepted(dtypes, error, message):
+  with pytest.raises(error, match=message):
     mpolicy.with_state_dtypes(optax.adam(1e-2), dtypes)
 
 

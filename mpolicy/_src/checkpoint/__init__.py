@@ -2,5 +2,5 @@
 across processes, per-leaf checksums, and checks against a template."""
 
 from mpolicy._src.checkpoint.manager import CheckpointManager
-from mpolicy._src.checkpoint.restore import restore_checkpoint
-from mpolicy._src.checkpoint.save import save_checkpoint
+from mpolicy._src.checkpoint.save_restore import restore_checkpoint
+from mpolicy._src.checkpoint.save_restore import save_checkpoint

@@ -1,8 +1,7 @@
 """A 64-bit checksum of each leaf that no resharding changes: a sum, modulo
 2**64, over the elements, each weighted by a hash of its global position.
-It adds up over any split of the array, so each process sums the shards it
-holds (one copy of each) and a restore over other devices finds the same
-total; one flipped bit always changes it."""
+It adds up over any split of the array (each process sums the shards it
+holds, one copy of each), and one flipped bit always changes it."""
 
 from typing import Any, Iterable, Optional
 
@@ -17,8 +16,7 @@ _STEP = _U64(0x9E3779B97F4A7C15)
 
 def _block(data: np.ndarray, starts: list[int], shape: tuple) -> int:
   """The sum over `data`, the block at `starts` of an array of `shape`:
-  each 64-bit word of an element times an odd weight drawn from its place,
-  so that one flipped bit always changes it."""
+  each 64-bit word of an element times an odd weight drawn from its place."""
   if data.itemsize in (1, 2, 4, 8):
     words = data.view(f"<u{data.itemsize}").astype(_U64).reshape(-1, 1)
   else:

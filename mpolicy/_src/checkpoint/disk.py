@@ -1,12 +1,9 @@
-"""A checkpoint on disk: where it goes, and orbax reading and writing it.
-
-orbax's `Checkpointer` writes `state` (the leaves by `keystr` path) and
-`meta` (JSON) and commits them into a scratch directory beside the path;
-`place` renames that to the path, after moving a replaced checkpoint to
-`old_path`, where `locate` finds it if the process dies in between. In
-several processes orbax's barriers are the coordination service's, with a
-timeout, and each process reads what its devices hold without waiting.
-"""
+"""A checkpoint on disk. orbax's `Checkpointer` writes and atomically
+commits `state` (leaves by `keystr`) and `meta` (JSON) in a scratch
+directory beside the path; `place` renames it to the path, first moving a
+replaced checkpoint to `old_path`, where `locate` finds it if the process
+dies in between. Across processes orbax's barriers are the coordination
+service's, with a timeout; each process reads what its devices hold."""
 
 import contextlib
 import gc
@@ -25,8 +22,7 @@ import warnings
 import jax
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/")
-# orbax's synchronous save shares state between a process's threads.
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # orbax's save shares state between threads.
 
 
 def local_path(path: Any, what: str) -> str:
@@ -103,15 +99,30 @@ def write(path: str, flat: dict, meta: dict, group) -> None:
         state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
 
 
-def read_meta(path: str, group, what: str) -> Any:
+def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
+  """The metadata at `path`, or with `target` the arrays, each restored to
+  its sharding; a `ValueError` saying what could not be read."""
   ocp, checkpointer = _checkpointer(group, alone=True)
-  with _LOCK, checkpointer:
-    try:
+  with _LOCK, _quiet(), checkpointer:
+    try:  # orbax raises many kinds of errors; one is documented.
+      if target is None:
+        return checkpointer.restore(path, ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta
       return checkpointer.restore(path, ocp.args.Composite(
-          meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # orbax raises many kinds; one is documented.
-      raise ValueError(f"{what}: {path} is not a readable mpolicy checkpoint "
-                       f"(its metadata could not be read: {e!r:.300}).") from e
+          state=ocp.args.StandardRestore(target))).state
+    except Exception as e:  # pylint: disable=broad-except
+      failure = e
+    error = failure  # Drop its frames, then collect what only they held.
+    while error is not None:
+      error.__traceback__, error = None, error.__cause__ or error.__context__
+    for _ in range(4) if target is not None else ():  # Let the reads in flight finish.
+      time.sleep(0.05)
+      gc.collect()
+  raise ValueError(
+      f"{what}: {path} is not a readable mpolicy checkpoint (its metadata "
+      f"could not be read: {failure!r:.300})." if target is None else
+      f"{what}: the arrays of {path} could not be read ({failure!r:.300}); "
+      "the checkpoint is damaged.") from failure
 
 
 def saved_shardings(path: str) -> dict[str, Any]:
@@ -133,31 +144,11 @@ def saved_shardings(path: str) -> dict[str, Any]:
   return out
 
 
-def read_state(path: str, target: dict, group, what: str) -> dict:
-  """The arrays of `target`, each restored to its sharding."""
-  ocp, checkpointer = _checkpointer(group, alone=True)
-  with _LOCK, _quiet(), checkpointer:
-    try:
-      return checkpointer.restore(path, ocp.args.Composite(
-          state=ocp.args.StandardRestore(target))).state
-    except Exception as e:  # orbax raises many kinds; one is documented.
-      failure = e
-    message = (f"{what}: the arrays of {path} could not be read "
-               f"({failure!r:.300}); the checkpoint is damaged.")
-    error = failure  # Drop its frames, then collect what only they held.
-    while error is not None:
-      error.__traceback__, error = None, error.__cause__ or error.__context__
-    for _ in range(4):  # Let the reads in flight finish.
-      time.sleep(0.05)
-      gc.collect()
-  raise ValueError(message) from failure
-
-
 @contextlib.contextmanager
 def _quiet():
-  """Silences what a failed orbax read leaves: the reads in flight report
-  to the event loop it closed, and other tasks' errors go unretrieved or
-  are never awaited, each printing a traceback (often at exit)."""
+  """Silences what a failed orbax read leaves: reads in flight reporting to
+  the event loop it closed, tasks' errors never retrieved and coroutines
+  never awaited, each printing a traceback (often at exit)."""
   logger, previous = logging.getLogger("asyncio"), sys.unraisablehook
   unretrieved = lambda r: "exception was never retrieved" not in r.getMessage()
 
@@ -173,6 +164,6 @@ def _quiet():
                               category=RuntimeWarning)
       yield
   finally:
-    sys.unraisablehook = previous if sys.unraisablehook is hook else (
-        sys.unraisablehook)
+    if sys.unraisablehook is hook:
+      sys.unraisablehook = previous
     logger.removeFilter(unretrieved)

@@ -1,6 +1,9 @@
-"""The leaves of a checkpoint: JAX arrays (typed keys included), numpy
-values and Python numbers (host values, which a `jax.eval_shape` template
-gets back as saved), and in a template `jax.ShapeDtypeStruct`s."""
+"""What a checkpoint holds: leaves (JAX arrays, typed keys included; numpy
+values and Python numbers, host values that a `jax.eval_shape` template
+gets back as saved; in a template `jax.ShapeDtypeStruct`s) and metadata
+(each leaf's dtype and shape, which were host values, checksums, and the
+loss scales' settings, which flattening drops), checked against a
+template."""
 
 import functools
 from typing import Any, Callable, Optional
@@ -10,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import loss_scale as loss_scale_lib
 
 _NUMBERS = (bool, int, float)
 
 
 def is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32,
+                               jax.dtypes.prng_key)
 
 
 def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
@@ -41,15 +45,13 @@ def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
 def flatten(tree: Any, what: str):
   """`({keystr: leaf}, {keystr: (dtype, shape)}, treedef)`."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  flat, described = {}, {}
-  for path, leaf in leaves:
-    key = jax.tree_util.keystr(path)
-    if key in flat:
-      raise ValueError(f"{what}: two leaves share the path {key!r}; give "
-                       "them distinct keys.")
-    described[key] = describe(key, leaf, what)
-    flat[key] = leaf
-  return flat, described, treedef
+  flat = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+  if len(flat) < len(leaves):
+    key = next(k for k in flat if sum(jax.tree_util.keystr(p) == k
+                                      for p, _ in leaves) > 1)
+    raise ValueError(f"{what}: two leaves share the path {key!r}; give "
+                     "them distinct keys.")
+  return flat, {k: describe(k, v, what) for k, v in flat.items()}, treedef
 
 
 def host_kind(leaf: Any) -> Optional[str]:
@@ -57,12 +59,6 @@ def host_kind(leaf: Any) -> Optional[str]:
   kinds = ((np.ndarray, "ndarray"), (np.generic, "generic"),
            (_NUMBERS, type(leaf).__name__))
   return next((kind for t, kind in kinds if isinstance(leaf, t)), None)
-
-
-def held_whole(leaf: Any) -> bool:
-  """Whether each process holds the whole leaf (in a multi-process run)."""
-  return (leaf.is_fully_addressable if isinstance(leaf, jax.Array)
-          else host_kind(leaf) is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,12 +76,6 @@ def to_global(leaf: jax.Array) -> jax.Array:
           if d.process_index == jax.process_index()]  # In the mesh's order.
   shards = [jax.device_put(leaf, d) for d in mine]
   return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
-
-
-def abstract_mismatch(saved_dtype: str, template: Any) -> bool:
-  """Whether a host value saved in `saved_dtype` cannot fill an abstract
-  leaf (whose dtype JAX canonicalized: float64 -> float32 without x64)."""
-  return jax.dtypes.canonicalize_dtype(saved_dtype) != template.dtype
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
@@ -139,3 +129,68 @@ def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
       restored = (jax.device_put(weak, restored.sharding) if restored.committed
                   else weak)
   return restored
+
+
+FORMAT, VERSION = "mpolicy.checkpoint", 3  # Version 2 had no checksums.
+_SETTINGS = {
+    loss_scale_lib.DynamicLossScale: ("period", "factor", "min_loss_scale"),
+    loss_scale_lib.StaticLossScale: ("loss_scale",),
+}
+
+
+def settings(tree: Any) -> dict[str, dict[str, Any]]:
+  """`{keystr: {"type": name, setting: value}}` for each loss scale."""
+  is_ls = lambda x: type(x) in _SETTINGS
+  nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]
+  return {jax.tree_util.keystr(path): dict(type=type(node).__name__, **{
+      name: np.asarray(getattr(node, name)).item()
+      for name in _SETTINGS[type(node)]})
+          for path, node in nodes if is_ls(node)}
+
+
+def build(tree: Any, flat: dict, described: dict) -> dict:
+  kinds = {k: host_kind(v) for k, v in flat.items()}
+  return {"format": FORMAT, "version": VERSION, "leaves": described,
+          "host_values": {k: v for k, v in kinds.items() if v},
+          "loss_scales": settings(tree)}
+
+
+def _differences(meta: dict, template: Any, flat: dict, described: dict):
+  saved, kinds = meta["leaves"], meta.get("host_values", {})
+  missing = [k for k in described if k not in saved]
+  extra = [k for k in saved if k not in described]
+  for where, keys in (("missing from the checkpoint", missing),
+                      ("in the checkpoint but not in the template", extra)):
+    yield from [f"{where}: " + ", ".join(keys)] * bool(keys)
+  for key, (dtype, shape) in described.items():
+    s_dtype, s_shape = saved.get(key, (dtype, shape))
+    if (s_dtype, s_shape) != (dtype, shape) and not (
+        key in kinds and s_shape == shape
+        and isinstance(flat[key], jax.ShapeDtypeStruct)
+        and jax.dtypes.canonicalize_dtype(s_dtype) == flat[key].dtype):
+      # (jax.eval_shape gave a 64-bit host value JAX's dtype: float32.)
+      yield (f"{key}: checkpoint has {s_dtype}{s_shape}, template wants "
+             f"{dtype}{shape}")
+  for key, want in settings(template).items():
+    have = meta["loss_scales"].get(key) or want
+    for name in sorted(set(want) | set(have)):
+      if want.get(name) != have.get(name):
+        yield (f"{key or 'the root'}: the checkpoint's {have['type']} has "
+               f"{name}={have.get(name)!r}, the template's {want['type']} has "
+               f"{name}={want.get(name)!r} (build the template with the "
+               "saved settings; change them after restoring if you mean to)")
+
+
+def check(meta: Any, path: str, template: Any, flat: dict, described: dict,
+          what: str) -> None:
+  """Raises a `ValueError` unless `meta` is an mpolicy checkpoint's that
+  `template` (flattened to `flat` and `described`) matches."""
+  if (not isinstance(meta, dict) or meta.get("format") != FORMAT
+      or meta.get("version") not in (2, VERSION)):
+    raise ValueError(
+        f"{what}: {path} is not an mpolicy checkpoint of format {FORMAT!r} "
+        f"version {VERSION} (its metadata is {meta!r:.300}).")
+  problems = list(_differences(meta, template, flat, described))
+  if problems:
+    raise ValueError("The checkpoint does not match the template: "
+                     + "; ".join(problems) + ".")

@@ -1,10 +1,7 @@
 """The checkpoints of a training loop: one directory, the last few steps.
-
-orbax's own `CheckpointManager` saves without mpolicy's checks, refuses to
-save a step again (`force` deletes it first) and deletes old steps in
-place, so a crash leaves a half-deleted step that it lists. This one saves
-with `save_checkpoint` and renames an old step to a hidden name first.
-"""
+(orbax's `CheckpointManager` saves without mpolicy's checks and deletes old
+steps in place, so a crash leaves a half-deleted step that it lists; this
+one renames an old step to a hidden name first.)"""
 
 import numbers
 import os
@@ -14,17 +11,15 @@ from typing import Any, Optional
 
 from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import processes
-from mpolicy._src.checkpoint.restore import restore_checkpoint
-from mpolicy._src.checkpoint.save import save_checkpoint
+from mpolicy._src.checkpoint.save_restore import restore_checkpoint
+from mpolicy._src.checkpoint.save_restore import save_checkpoint
 
 _STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
 
 
-def _whole(value: Any, least: int, what: str) -> int:
+def _whole(value: Any, least: int, what: str, more: str = "") -> int:
   """`value` as an int >= `least`, or an error naming `what`."""
-  error = (f"{what} must be a whole number >= {least}" + (
-      ", or None to keep every step" if "max_to_keep" in what else "")
-           + f"; got {value!r}.")
+  error = f"{what} must be a whole number >= {least}{more}; got {value!r}."
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(error)
   if value < least:
@@ -58,7 +53,8 @@ class CheckpointManager:
       raise TypeError("CheckpointManager: directory must be a path (a str or "
                       f"an os.PathLike), got {type(directory).__name__}.")
     if max_to_keep is not None:
-      max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep")
+      max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep",
+                           ", or None to keep every step")
     self.directory = disk.local_path(directory, "CheckpointManager")
     self.max_to_keep = max_to_keep
 
@@ -100,9 +96,9 @@ class CheckpointManager:
   def restore(self, template: Any, step: Optional[int] = None) -> Any:
     """Loads `step`'s checkpoint (the latest by default) into `template`
     (see `restore_checkpoint`); `FileNotFoundError` if there is none."""
-    if step is None and self.latest_step() is None:
+    step = self.latest_step() if step is None else step
+    if step is None:
       raise FileNotFoundError(
           f"CheckpointManager.restore: no checkpoint in {self.directory} "
           "(nothing saved yet: start from a fresh state).")
-    step = self.latest_step() if step is None else step
     return restore_checkpoint(self.path(step), template)

@@ -1,11 +1,11 @@
 """The steps that the processes of a `jax.distributed` run take together.
 
-Each step of a checkpoint call runs through `Processes.step`: every process
-does its part and posts, to `jax.distributed`'s key-value store, whether it
-failed and what the others need to see. If one failed, all raise, so none
-goes on alone into a write or a barrier; one that does not post within
-`TIMEOUT_S` makes the others raise `TimeoutError`. Calls are matched by
-their order. In one process a step just runs.
+In `Processes.step` every process does its part and posts, to
+`jax.distributed`'s key-value store, whether it failed and what the others
+need to see. If one failed, all raise (none goes on alone into a write or
+a barrier); one that does not post within `TIMEOUT_S` makes the others
+raise `TimeoutError`. Calls are matched by their order. In one process a
+step just runs.
 """
 
 import itertools
@@ -48,17 +48,16 @@ class Processes:
         pass  # None, or another process deleted them first.
 
   def step(self, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list]:
-    """Runs `work` (giving `(result, shared)`, `shared` JSON) here and
-    returns `(result, [each process's shared])`, raising what `work` raised
-    here or, with its type and message, on another process."""
+    """Runs `work` (giving `(result, shared)`, `shared` JSON) and returns
+    `(result, [each process's shared])`; raises what `work` raised here
+    or, with its type and message, on another process."""
+    if self._client is None:
+      result, shared = work()
+      return result, [shared]
     try:
       (result, shared), error = work(), None
     except Exception as e:  # pylint: disable=broad-except
-      if self._client is None:
-        raise
       result, shared, error = None, None, e
-    if self._client is None:
-      return result, [shared]
     posts = self._exchange({"error": error and [type(error).__name__,
                                                 str(error)], "shared": shared})
     if error is not None:

@@ -32,6 +32,19 @@ from mpolicy._src import staged
 
 # Backends whose half matmul/convolution units accumulate in float32.
 ACCELERATORS = ("cuda", "rocm", "tpu")
+# The interpreter's `replay_binding`, which it installs as it is imported
+# (the rules cannot import the interpreter: it imports them).
+_REPLAY = []
+
+
+def install_replay(replay) -> None:
+  _REPLAY[:] = [replay]
+
+
+def replay(closed, args, binds) -> list:
+  """``closed`` run on ``args`` by the interpreter, each primitive of
+  ``binds`` bound as it says (`interpreter.replay_binding`)."""
+  return _REPLAY[0](closed, args, binds)
 
 
 def _abstract_eval(composite, lhs, rhs, **params):

@@ -38,6 +38,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import observe
 from mpolicy._src.blocks import formats
 from mpolicy._src.blocks import native
 from mpolicy._src.blocks import quantize
@@ -91,14 +92,21 @@ class BlockConfig(NamedTuple):
   sr: bool = False  # Stochastic rounding of the cotangent.
   hadamard: bool = False  # Random Hadamard rotation of the wgrad operands.
   native: bool = False  # Ask for the native block-scaled dot on CUDA.
+  label: Optional[str] = None  # `observe.quantization_site`'s.
 
 
 def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
-        y_tiles: bool = False, x_key=None, y_key=None):
+        y_tiles: bool = False, x_key=None, y_key=None, roles=(None, None)):
   """``[B,] M, K`` x ``[B,] K, N`` of the operands quantized along K
   (``x_key``/``y_key``: stochastic rounding), float32: emulated, or on CUDA
-  the native block-scaled dot of the same quantized operands."""
+  the native block-scaled dot of the same quantized operands. ``roles``:
+  what each operand is told to observers as (``None``: not told)."""
   nb = 1 if config.batched else 0
+  for role, v, axis, tiles in ((roles[0], x, -1, x_tiles),
+                               (roles[1], y, -2, y_tiles)):
+    if role is not None:
+      observe.quantized(config.label, observe.Quantization(
+          role, config.fmt, v, axis=axis, two_d=tiles))
   qx = quantize.quantize_blocks(x, config.fmt, -1, two_d=x_tiles, key=x_key)
   qy = quantize.quantize_blocks(y, config.fmt, -2, two_d=y_tiles, key=y_key)
   emulated = _dot(quantize.dequantize_blocks(qx),
@@ -120,7 +128,8 @@ def _t(x):
 
 
 def _fwd(a, b, key, config: BlockConfig):
-  out = _mm(a, b, config, config.lhs_tiles, config.rhs_tiles)
+  out = _mm(a, b, config, config.lhs_tiles, config.rhs_tiles,
+            roles=("lhs", "rhs"))
   return out.astype(config.out_dtype), (a, b, key)
 
 
@@ -130,12 +139,14 @@ def _bwd(config: BlockConfig, residuals, g):
   k_dgrad, k_wgrad, k_rotate = jax.random.split(key, 3)
   sr = (lambda k: k) if config.sr else (lambda k: None)
   # d lhs [B, M, K] = g [B, M, N] . rhs^T [B, N, K] over N.
-  da = _mm(g, _t(b), config, False, config.rhs_tiles, x_key=sr(k_dgrad))
+  da = _mm(g, _t(b), config, False, config.rhs_tiles, x_key=sr(k_dgrad),
+           roles=("cotangent", None))
   # d rhs [B, K, N] = lhs^T [B, K, M] . g [B, M, N] over M.
   if config.hadamard:
     a = recipe.hadamard_rotate(a, -2, k_rotate)
     g = recipe.hadamard_rotate(g, -2, k_rotate)
-  db = _mm(_t(a), g, config, config.lhs_tiles, False, y_key=sr(k_wgrad))
+  db = _mm(_t(a), g, config, config.lhs_tiles, False, y_key=sr(k_wgrad),
+           roles=(None, "cotangent"))
   return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype), None
 
 
@@ -150,7 +161,8 @@ blocked_mm.defvjp(_fwd, _bwd)
 
 
 def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
-               lhs_param: bool, rhs_param: bool, options=None) -> BlockConfig:
+               lhs_param: bool, rhs_param: bool, options=None,
+               label: Optional[str] = None) -> BlockConfig:
   """The `BlockConfig` of a matmul of ``lhs`` and ``rhs`` (either a
   parameter: nvfp4 tiles it unless ``options.weight_tiles`` is off).
   ``options`` (an `Fp8Options`; ``None``: the defaults) turns the recipe's
@@ -165,7 +177,7 @@ def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
                      np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                      tiles and lhs_param, tiles and rhs_param,
                      sr and recipe_fmt, hadamard and recipe_fmt,
-                     native.usable(fmt.name, 0, fmt.block_size))
+                     native.usable(fmt.name, 0, fmt.block_size), label)
 
 
 RECIPE_FORMATS = ("mxfp4", "nvfp4")

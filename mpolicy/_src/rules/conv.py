@@ -46,21 +46,12 @@ _cast = amp_primitive.cast
 
 
 def replay_convs(closed, args, bind_conv):
-  """Evaluates ``closed`` on ``args``, binding each ``conv_general_dilated``
-  with ``bind_conv(eqn, invals)`` (its one output) and the rest as traced."""
-  jaxpr = closed.jaxpr
-  env = dict(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, args))
-  read = lambda v: v.val if isinstance(v, jax_compat.Literal) else env[v]
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    if eqn.primitive is jax_compat.conv_general_dilated_p:
-      outs = [bind_conv(eqn, invals)]
-    else:
-      outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
-  return read(jaxpr.outvars[0])
+  """Evaluates ``closed`` on ``args`` through the interpreter, binding each
+  ``conv_general_dilated`` with ``bind_conv(eqn, invals)`` (its one output)
+  and the rest as written."""
+  conv = lambda eqn, invals: [bind_conv(eqn, invals)]
+  return amp_primitive.replay(
+      closed, args, {jax_compat.conv_general_dilated_p: conv})[0]
 
 
 def _traced(fn, args):
@@ -205,7 +196,7 @@ class _Fp8Config(NamedTuple):
   rhs_dtype: np.dtype
   lhs_mesh: tuple = ()  # `shard_map` axes each per-tensor scale spans.
   rhs_mesh: tuple = ()
-  label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
+  label: Optional[str] = None  # `observe.quantization_site`'s.
 
   def observe(self, role: str):
     return None if self.label is None else (self.label, role)
@@ -276,7 +267,8 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
   Args:
     lhs, rhs: the input and the kernel, floating arrays.
     out_dtype: the result dtype; bfloat16 if ``None``.
-    label: the `fp8_probe` site whose counts its quantizations add to.
+    label: what its quantizations are told to observers by
+      (`observe.quantization_site`).
     **params: the convolution's shape params, as described above.
 
   Returns:

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import observe
 from mpolicy._src.blocks import formats
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
-from mpolicy._src.rules import fp8_probe
 
 MATMULS = ("weights", "all")
 SCALINGS = ("per_row", "per_tensor")
@@ -207,7 +208,8 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
   and ``reason`` on ``op`` and returns ``(lhs, rhs, out_dtype, label)``:
   the operands quantized from the widest value at hand (a float32
   parameter's gradient then comes back in float32; only float8 copies are
-  saved), the result dtype, and the `fp8_probe` site's label (``None``
+  saved), the result dtype, and the label its quantizations tell the
+  observers by (`observe.quantization_site`; ``None``
   outside a probe).
   """
   dtype = low_precision_name(op)
@@ -221,6 +223,12 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
   op.why = f"lower in {dtype} ({reason}); policy from {op.decided_by}"
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
   out_dtype = base.result_dtype(op.eqn, op.policy.compute_dtype)
-  label = fp8_probe.new_site(op.scope, op.prim.name,
-                             fp8_probe.shape_of(lhs, rhs))
+  label = observe.quantization_site(op.scope, op.prim.name,
+                                   shape_of(lhs, rhs))
   return lhs, rhs, out_dtype, label
+
+
+def shape_of(*operands: Any) -> str:
+  """``"AxB, CxD"``: the operands' shapes, for a report."""
+  return ", ".join("x".join(map(str, np.shape(o))) or "scalar"
+                   for o in operands)

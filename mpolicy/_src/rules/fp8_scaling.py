@@ -24,7 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from mpolicy._src.rules import fp8_probe
+from mpolicy._src import observe as observe_lib
 
 
 FORWARD_DTYPE = np.dtype(jnp.float8_e4m3fn)
@@ -58,7 +58,7 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, mesh_axes=(),
     mesh_axes: `shard_map` mesh axes whose devices share each scale: the
       amax is their maximum (`jax.lax.pmax`); empty: this device's own.
     observe: ``(label, role)`` of the float8 op this quantization belongs
-      to, for an open `fp8_probe` (``None``: not counted).
+      to, told to the observers (`observe.quantized`; ``None``: not told).
 
   Returns:
     ``(q, scale)``: ``q`` in ``dtype``, ``scale`` float32 with
@@ -75,7 +75,9 @@ def quantize(x, dtype: Any = FORWARD_DTYPE, axes=None, mesh_axes=(),
   scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
   q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
   if observe is not None:
-    fp8_probe.observe(*observe, x, q, scale, fmax)
+    label, role = observe
+    observe_lib.quantized(label, observe_lib.Quantization(
+        role, dtype.name, x, q, scale, fmax))
   return q, scale
 
 

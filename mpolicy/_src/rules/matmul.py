@@ -275,7 +275,7 @@ class _Fp8Config(NamedTuple):
   per_tensor: bool = False
   lhs_mesh: tuple = ()  # `shard_map` axes the lhs scales are shared over.
   rhs_mesh: tuple = ()
-  label: Optional[str] = None  # Of an `fp8_probe` site, while one is open.
+  label: Optional[str] = None  # `observe.quantization_site`'s.
 
   def observe(self, role: str):
     return None if self.label is None else (self.label, role)
@@ -374,7 +374,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
     contraction_axes: the `shard_map` mesh axes the contraction is split
       over (the rows' scales are shared over them); ``None``: the axes both
       operands vary over.
-    label: the `fp8_probe` site whose counts its quantizations add to.
+    label: what its quantizations are told to observers by
+      (`observe.quantization_site`).
 
   Returns:
     The product, in ``out_dtype``.
@@ -398,7 +399,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
 def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
                       out_dtype: Optional[Any] = None,
                       lhs_param: bool = False, rhs_param: bool = False,
-                      options=None, key=None):
+                      options=None, key=None,
+                      label: Optional[str] = None):
   """`jax.lax.dot_general` in block format ``fmt`` (see `block_matmul`).
 
   Contracting dimensions are merged (row-major) into one, along which the
@@ -406,7 +408,8 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
   (bfloat16 if ``None``). ``lhs_param``/``rhs_param``: the operand is a
   weight (nvfp4 quantizes it in 16 x 16 tiles). ``options``: an
   `Fp8Options` (the NVFP4 recipe's parts; ``None``: all on); ``key``: the
-  recipe's key (``None``: ``PRNGKey(0)``).
+  recipe's key (``None``: ``PRNGKey(0)``). ``label``: what its
+  quantizations are told to observers by (`observe.quantization_site`).
 
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
@@ -422,7 +425,7 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
                                       lhs_mk=True, rhs_kn=True)
   _, (lb, _) = dimension_numbers
   config = block_matmul.config_for(fmt, lhs, rhs, bool(lb), out_dtype,
-                                   lhs_param, rhs_param, options)
+                                   lhs_param, rhs_param, options, label)
   key = jax.random.PRNGKey(0) if key is None else key
   return block_matmul.blocked_mm(a, b, key, config).reshape(out_shape)
 
@@ -482,7 +485,7 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
                               out_dtype=out_dtype,
                               lhs_param=op.env.is_param(lhs),
                               rhs_param=op.env.is_param(rhs),
-                              options=options, key=key)]
+                              options=options, key=key, label=label)]
   return [fp8_dot_general(
       lhs, rhs, dimension_numbers, out_dtype=out_dtype,
       scaling=options.scaling,

@@ -48,9 +48,9 @@ def _floating_dtype(dtype: Any, where: str) -> np.dtype:
   except TypeError as e:
     raise TypeError(f"with_state_dtypes: {where} must be a floating dtype "
                     f"such as jnp.bfloat16 or 'float32', got {dtype!r}.") from e
-  if not dtypes_lib.is_float(dtype):
-    raise TypeError(f"with_state_dtypes: {where} must be a floating dtype "
-                    f"such as jnp.bfloat16 or 'float32', got {dtype}.")
+  if not dtypes_lib.is_float(dtype):  # A dtype, of the wrong kind.
+    raise ValueError(f"with_state_dtypes: {where} must be a floating dtype "
+                     f"such as jnp.bfloat16 or 'float32', got {dtype}.")
   return dtype
 
 
@@ -208,10 +208,11 @@ def with_state_dtypes(
 
   Raises:
     ValueError: `rounding` is not one of "nearest", "stochastic"; or
-      `vary_over` is given with `rounding="nearest"`; or (from `init`) a
-      field named in `dtypes` is not in the state.
+      `vary_over` is given with `rounding="nearest"`; or a dtype in
+      `dtypes` is not floating (an integer or bool dtype); or (from `init`)
+      a field named in `dtypes` is not in the state.
     TypeError: `transform` is not an optax transformation; `dtypes` is not
-      a floating dtype, a mapping or a function; `seed` is not an int; or
+      a dtype, a mapping or a function; `seed` is not an int; or
       `vary_over` is not an axis name or a tuple of them.
 
   >>> import jax.numpy as jnp, optax

@@ -1,0 +1,203 @@
+"""`save_checkpoint` (checks, agreement across processes, checksums, orbax's
+commit, the rename into place) and `restore_checkpoint` (the template
+checked against the metadata, the arrays read, every checksum checked)."""
+
+import itertools
+import os
+import shutil
+from typing import Any
+import zlib
+
+import jax
+
+from mpolicy._src.checkpoint import digests
+from mpolicy._src.checkpoint import disk
+from mpolicy._src.checkpoint import leaves as leaves_lib
+from mpolicy._src.checkpoint import processes
+
+
+def _agree(shared: list[dict], keys: list[str], what: str) -> None:
+  first = shared[0]
+  for i, other in enumerate(shared[1:], 1):
+    if other["path"] != first["path"]:
+      raise ValueError(f"{what}: process {i} saves to {other['path']}, "
+                       f"process 0 to {first['path']}; every process must "
+                       "pass the same path.")
+    pairs = itertools.zip_longest(other["leaves"], first["leaves"])
+    n = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
+    if n is not None:
+      where = f"at leaf {keys[n]}" if n < len(keys) else "in its length"
+      raise ValueError(
+          f"{what}: process {i}'s tree differs from process 0's {where} "
+          "(structure, dtype or shape); every process must pass the same "
+          "tree, whose global arrays hold each process's part.")
+    differ = sorted(k for k, v in first["whole"].items()
+                    if other["whole"].get(k) != v)
+    if differ:
+      raise ValueError(
+          f"{what}: {', '.join(differ[:5])} differ between process 0 and "
+          f"process {i}. Each process holds these leaves whole (numpy "
+          "values, Python numbers, arrays on its own devices), and a "
+          "checkpoint holds one value per leaf: make them equal on every "
+          "process, or, where each process holds a part of one array, make "
+          "it a global array (jax.make_array_from_process_local_data).")
+
+
+def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
+                    overwrite: bool = False) -> None:
+  """Saves `tree` (params, optimizer state, loss scale, keys...) with orbax.
+
+  Any pytree of concrete arrays (every dtype, typed PRNG keys, sharded:
+  each device writes its shards) and numbers; loss scales keep their
+  settings, every leaf its checksum. orbax commits the checkpoint beside
+  `path` and it is renamed into place: of saves racing for one path one
+  wins (the others raise), a failed save leaves nothing, and a checkpoint
+  being replaced (`overwrite=True`) stays where `restore_checkpoint` finds
+  it until the new one is in place. With `jax.distributed` every process
+  calls it alike; leaves each holds whole (numpy, numbers, arrays made
+  outside `jit`) must be equal on all; an error on one is raised on all.
+
+  Raises `FileExistsError` (`path` exists, `overwrite` False), `TypeError`
+  (not a path; a leaf neither array nor number, or traced inside `jit`),
+  `ValueError` (a URL such as `gs://...`; processes that disagree, naming
+  the leaf), `OSError` (processes that do not share the file system) or
+  `TimeoutError` (a process did not call within five minutes).
+
+  >>> import os, tempfile, jax.numpy as jnp, mpolicy
+  >>> state = {"loss_scale": mpolicy.DynamicLossScale(2. ** 15, period=10),
+  ...          "params": {"w": jnp.ones(2, jnp.bfloat16)}}
+  >>> path = os.path.join(tempfile.mkdtemp(), "step_100")
+  >>> mpolicy.save_checkpoint(path, state)
+  >>> restored = mpolicy.restore_checkpoint(path, state)
+  >>> float(restored["loss_scale"].loss_scale), restored["params"]["w"].dtype
+  (32768.0, dtype(bfloat16))
+
+  See also: `restore_checkpoint`, `CheckpointManager`.
+  """
+  what = "save_checkpoint"
+  group, made = processes.Processes(what), []
+
+  def prepare():
+    dest = disk.local_path(path, what)
+    flat, described, _ = leaves_lib.flatten(tree, what)
+    whole = lambda v: (v.is_fully_addressable if isinstance(v, jax.Array)
+                       else leaves_lib.host_kind(v))
+    shared = {"path": dest, "leaves": [zlib.crc32(repr(d).encode())
+                                       for d in described.items()],
+              "whole": {k: str(digests.part(v, described[k][0], True))
+                        for k, v in flat.items()
+                        if group.count > 1 and whole(v)}}
+    if group.primary:
+      made.append(disk.scratch(dest, overwrite, what))
+      shared["scratch"] = made[0]
+    return (dest, flat, leaves_lib.build(tree, flat, described)), shared
+
+  def check(flat, shared, meta):
+    _agree(shared, list(flat), what)
+    if not os.path.isdir(shared[0]["scratch"]):
+      raise OSError(f"{what}: process {group.index} does not see "
+                    f"{shared[0]['scratch']}, which process 0 made beside the "
+                    "checkpoint's path: every process must save to one "
+                    "directory on a file system they all share.")
+    if group.count > 1:  # One array on every device, written once.
+      flat = {k: leaves_lib.to_global(v) if isinstance(v, jax.Array)
+                 and v.is_fully_addressable else v for k, v in flat.items()}
+    return flat, [str(digests.part(v, meta["leaves"][k][0], group.primary))
+                  for k, v in flat.items()]
+
+  try:
+    (dest, flat, meta), shared = group.step(prepare)
+    flat, parts = group.step(lambda: check(flat, shared, meta))
+    meta["digests"] = {k: digests.total(p[i] for p in parts)
+                       for i, k in enumerate(flat)}
+    staged = os.path.join(shared[0]["scratch"], "checkpoint")
+    disk.write(staged, flat, meta, group)
+    group.step(lambda: (disk.place(staged, dest, overwrite, what)
+                        if group.primary else None, None))
+  finally:
+    for scratch in made:
+      shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _open(path_arg: Any, template: Any, group, what: str):
+  """The checkpoint's directory, the template's leaves, and the meta."""
+  path = disk.local_path(path_arg, what)
+  if template is None:
+    raise TypeError(
+        f"{what}: template is None; pass a pytree like the one saved: the "
+        "state itself (freshly initialized), or jax.eval_shape of its "
+        "initializer (with shardings on its ShapeDtypeStructs to place the "
+        "leaves). The restored state takes its structure, dtypes and "
+        "shardings from it.")
+  src = disk.locate(path)
+  if src is None:
+    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
+  if not os.path.isdir(src):
+    hint = (" It looks like an .npz file, which numpy.load reads."
+            if path.endswith(".npz") else "")
+    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
+                     f"(a directory written by save_checkpoint).{hint}")
+  flat, described, treedef = leaves_lib.flatten(template, what)
+  meta = disk.read(src, group, what)
+  leaves_lib.check(meta, path, template, flat, described, what)
+  return (src, flat, treedef, meta), None
+
+
+def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
+  """Loads a `save_checkpoint` checkpoint into the structure of `template`.
+
+  `template` is a pytree like the one saved (fresh state, or
+  `jax.eval_shape` of its initializer with `sharding` set where leaves
+  should go); leaves come back with its dtypes and shardings, so resuming
+  repeats a run that never stopped bit for bit. Structure, shapes, dtypes,
+  loss-scale settings and every leaf's checksum are checked. The devices
+  may differ from the save's. A template leaf without a sharding comes
+  back as saved (a numpy value or number as such, an array with its saved
+  sharding, or replicated where those devices are gone). If a save
+  replacing `path` stopped before the new checkpoint was in place, the old
+  one is read. With `jax.distributed`, every process calls it.
+
+  Raises `TypeError` (not a path; `template` None), `FileNotFoundError`,
+  `ValueError` (a URL; not an mpolicy checkpoint; damaged, naming a leaf
+  whose checksum differs; any mismatch with the template), `TimeoutError`.
+
+  >>> import os, tempfile, mpolicy
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> mpolicy.save_checkpoint(path, mpolicy.DynamicLossScale(1., period=10))
+  >>> mpolicy.restore_checkpoint(path, mpolicy.DynamicLossScale(2. ** 15))
+  Traceback (most recent call last):
+  ...
+  ValueError: The checkpoint does not match the template: the root: the checkpoint's DynamicLossScale has period=10, the template's DynamicLossScale has period=2000 (build the template with the saved settings; change them after restoring if you mean to).
+
+  See also: `save_checkpoint`, `CheckpointManager`.
+  """
+  what = "restore_checkpoint"
+  group = processes.Processes(what)
+  (src, flat, treedef, meta), _ = group.step(
+      lambda: _open(path, template, group, what))
+  kinds, saved, shardings = meta.get("host_values", {}), meta["leaves"], []
+
+  def saved_sharding(key):  # Read once, if a leaf needs them.
+    shardings[:] = shardings or [disk.saved_shardings(src)]
+    return shardings[0].get(key)
+
+  def read():
+    target = {k: leaves_lib.restore_target(
+        v, kinds.get(k), saved[k][0], lambda k=k: saved_sharding(k))
+              for k, v in flat.items()}
+    out = disk.read(src, group, what, target)
+    return out, [str(digests.part(out[k], saved[k][0], group.primary))
+                 for k in flat]
+
+  restored, parts = group.step(read)
+  sums = meta.get("digests", {})  # None before version 3.
+  bad = [k for i, k in enumerate(flat)
+         if k in sums and digests.total(p[i] for p in parts) != sums[k]]
+  if bad:  # The same on every process.
+    raise ValueError(
+        f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
+        "checksum saved with it: the checkpoint is damaged (its data "
+        "changed after it was written). Restore an earlier checkpoint.")
+  return jax.tree_util.tree_unflatten(treedef, [
+      leaves_lib.restored_like(flat[k], restored[k], kinds.get(k))
+      for k in flat])
