@@ -77,13 +77,17 @@ def explain_cells(out):
 TINY_MODEL = ("--seq_len=8", "--d_model=8", "--num_heads=2", "--num_layers=1")
 
 
-@pytest.mark.ci  # Runs the main job as a file, 16 s on 2 cores.
-def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
+@pytest.mark.ci  # The main job as a file at its defaults: 30 s of CPU.
+def test_digits_cnn_at_its_defaults_prints_the_readme_table_and_plots(
+    tmp_path):
+  """One run of the main job, as the README runs it (plus a plot), serves
+  the README's printed table (test_readme) and this file's checks."""
+  from test_readme import check_main_job_prints_the_readme_table  # pylint: disable=g-import-not-at-top
   png = tmp_path / "digits.png"
-  rc, out, err = run_example("digits_cnn", "--steps=3", "--batch_size=16",
-                             "--log_every=1", "--channels=4,8",
-                             f"--plot={png}", cwd=tmp_path)
+  rc, out, err = run_example("digits_cnn", f"--plot={png}", cwd=tmp_path,
+                             timeout=900)
   assert_ok(rc, out, err)
+  check_main_job_prints_the_readme_table(out)
   assert ("| run | policy | loss scale | test accuracy | final loss | "
           "skipped steps | compile (s) | train time (s) | explain |") in out
   assert "| f32 | p=f32,c=f32,o=f32 | NoOp |" in out
@@ -94,7 +98,7 @@ def test_digits_cnn_compares_float32_and_bfloat16_and_plots(tmp_path):
                                "0 by module policies, 0 in the code")  # Nothing to cast.
   assert "bfloat16" in cells["bf16"]
   assert "[bf16] test accuracy:" in out
-  assert "[bf16] step     3/3" in out
+  assert re.search(r"^\[bf16\] step +400/400 ", out, flags=re.M), out
   assert png.stat().st_size > 0
 
 
