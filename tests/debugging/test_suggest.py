@@ -28,7 +28,7 @@ def _overflowing():
   model = mpolicy.transform_amp(
       lambda x: hk.Linear(1, name="head")(Attention(name="attention")(x)))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
   for name in ("attention/query", "attention/key"):
     params[name] = dict(params[name], w=params[name]["w"] * 300.0)
   calls = []

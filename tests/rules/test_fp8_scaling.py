@@ -325,7 +325,7 @@ def _explain_block():
   mpolicy.set_policy(hk.Linear, F8)
   model = mpolicy.transform_amp(_transformer)
   x = _normal(0, (2, 5, 8))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
   return model, params, x, mpolicy.explain(model.apply, params, None, x)
 
 
@@ -370,7 +370,7 @@ def test_example_flag_value_runs_a_transformer_step():
   mpolicy.set_policy(hk.Module, policy)
   model = mpolicy.transform_amp(_transformer)
   x, y = _normal(0, (2, 5, 8)), _normal(1, (2, 5, 4))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
 
   @jax.jit
   def step(p):
