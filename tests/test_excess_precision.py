@@ -35,15 +35,21 @@ def _forward(x):
 def per_example_losses():
   """(amp losses, float32 losses) of a confident classifier, as lists."""
   net = hk.without_apply_rng(hk.transform(_forward))
-  x = jax.random.normal(jax.random.PRNGKey(1), (128, 32))
-  params = net.init(jax.random.PRNGKey(0), x)
-  # Large weights and non-zero biases: logits of tens, so one bfloat16 ulp
-  # of a logit is far above the float32 loss of a confident example.
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
-  params = jax.tree.unflatten(tree, [
-      10 * p + 0.4 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
-  labels = jnp.argmax(net.apply(params, x), -1)
+
+  @jax.jit  # One program for the set-up, not one compile per eager op.
+  def setup():
+    x = jax.random.normal(jax.random.PRNGKey(1), (128, 32))
+    params = net.init(jax.random.PRNGKey(0), x)
+    # Large weights and non-zero biases: logits of tens, so one bfloat16 ulp
+    # of a logit is far above the float32 loss of a confident example.
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+    params = jax.tree.unflatten(tree, [
+        10 * p + 0.4 * jax.random.normal(k, p.shape)
+        for p, k in zip(leaves, keys)])
+    return params, x, jnp.argmax(net.apply(params, x), -1)
+
+  params, x, labels = setup()
 
   def losses(params, x, labels):
     logits = net.apply(params, x).astype(jnp.float32)

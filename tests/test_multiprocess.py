@@ -67,6 +67,10 @@ def test_fsdp_keeps_the_weights_split_across_processes(two, two_more):
   close(two_more[0]["fsdp"]["w1"], two[0]["data_parallel"]["w1"])
 
 
+# The same runs (25 s by default). In one process, the default run's
+# training/test_redo_on_overflow.py::test_pmap_and_shard_map_devices_retry_together
+# covers a shard_map step that averages and skips.
+@pytest.mark.ci
 def test_shard_map_averages_gradients_and_state_over_both_processes(one, two):
   got, want = two[0]["shard_map"], one["shard_map"]
   assert got["finite"] == want["finite"] == [True, True, False, True]

@@ -286,10 +286,12 @@ def test_pushes_are_thread_local():
       with mpolicy.push_policy(hk.Linear, policies[i]):
         barrier.wait(timeout=30)  # Everyone has pushed before anyone reads.
         f = mpolicy.with_policies(lambda x: hk.Linear(2)(x))
-        params = hk.transform(f).init(jax.random.PRNGKey(i), jnp.ones([1, 2]))
+        # Traced, not run: the dtypes are the trace's (no compiling).
+        params = jax.eval_shape(hk.transform(f).init, jax.random.PRNGKey(i),
+                                jnp.ones([1, 2]))
         seen[i] = (mpolicy.policy_for(hk.Linear),
-                   hk.transform(f).apply(params, None,
-                                         jnp.ones([1, 2])).dtype)
+                   jax.eval_shape(hk.transform(f).apply, params, None,
+                                  jnp.ones([1, 2])).dtype)
         barrier.wait(timeout=30)
     except Exception as e:  # pylint: disable=broad-except
       errors.append(e)

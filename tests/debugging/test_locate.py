@@ -41,7 +41,7 @@ def _attention_model():
   model = mpolicy.transform_amp(
       lambda x: hk.Linear(1, name="head")(Attention(name="attention")(x)))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
   return model, params, x
 
 

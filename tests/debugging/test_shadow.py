@@ -38,7 +38,7 @@ def _model():
   mpolicy.set_policy(hk.Module, BF16)
   model = mpolicy.transform_amp(_net)
   x = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
   loss = lambda p, x: jnp.mean(model.apply(p, None, x) ** 2)
   return model, params, x, loss
 

@@ -260,19 +260,23 @@ def _fp8_vmap_case(seed: int):
 def check_fp8_vmap_orders_agree(seed: int) -> None:
   f, xs, ws = _fp8_vmap_case(seed)
   policy = "p=f32,c=f8,o=f32"
-  outer = mpolicy.amp(jax.vmap(f, in_axes=(0, None)), policy)(xs, ws)
-  inner = jax.vmap(mpolicy.amp(f, policy), in_axes=(0, None))(xs, ws)
-  exact = jax.vmap(f, in_axes=(0, None))(xs, ws)
+  # Under jit: one program each, not an op-by-op dispatch of each.
+  outer = jax.jit(mpolicy.amp(jax.vmap(f, in_axes=(0, None)), policy))(xs, ws)
+  inner = jax.jit(jax.vmap(mpolicy.amp(f, policy), in_axes=(0, None)))(xs, ws)
+  exact = jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, ws)
+  # Per-example norms in NumPy: eager jnp ops on each row compile each.
+  outer, inner, exact = (np.asarray(a, np.float32)
+                         for a in (outer, inner, exact))
   for i in range(xs.shape[0]):
-    scale = float(jnp.linalg.norm(exact[i])) or 1.0
+    scale = float(np.linalg.norm(exact[i])) or 1.0
     for name, got in (("amp(vmap(f))", outer), ("vmap(amp(f))", inner)):
-      err = float(jnp.linalg.norm(got[i] - exact[i])) / scale
+      err = float(np.linalg.norm(got[i] - exact[i])) / scale
       assert err < 0.15, (f"seed {seed}, example {i}: {name} is off by "
                           f"{err:.3f} relative to float32")
 
 
 # Seeds 501 and 505 failed when the whole batch shared one scale.
-_FP8_SHORT = (500, 501, 505)
+_FP8_SHORT = (501, 505)
 
 
 @pytest.mark.parametrize("seed", _FP8_SHORT)
@@ -280,9 +284,10 @@ def test_fp8_under_vmap_agrees_with_fp8_inside_vmap(seed):
   check_fp8_vmap_orders_agree(seed)
 
 
+# Slow: random seeds (500 among them) on the path 501 and 505 cover.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "seed", [s for s in range(502, 540) if s not in _FP8_SHORT])
+    "seed", [s for s in range(500, 540) if s not in _FP8_SHORT])
 def test_fp8_under_vmap_long(seed):
   check_fp8_vmap_orders_agree(seed)
 
@@ -300,7 +305,11 @@ def test_custom_vjp_inside_a_jvp_rule_is_bitwise_plain_under_full(seed):
   check_full_is_bitwise(seed)
 
 
-@pytest.mark.parametrize("seed", _CUSTOM_LIN)
+@pytest.mark.parametrize("seed", [
+    101,
+    # Slow: 4 s more of recompiling under the flags; 101 takes the same
+    # custom_lin path, and 137 runs without the flags above.
+    pytest.param(137, marks=pytest.mark.slow)])
 def test_custom_vjp_inside_a_jvp_rule_with_the_next_generation_flags(seed):
   """As above with jax_custom_vjp3 and jax_custom_jvp3 on (and remat3;
   not scan3, which JAX 0.12 cannot differentiate)."""

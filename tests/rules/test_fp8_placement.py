@@ -227,7 +227,8 @@ def test_gpt_attention_in_bfloat16_linears_in_float8():
   mpolicy.set_policy(hk.Module, F8)
   model = mpolicy.transform_amp(_gpt)
   tokens = jnp.arange(16).reshape(2, 8) % 32
-  params = model.init(jax.random.PRNGKey(0), tokens)
+  # Jitted: eager, transform_amp's init would run the GPT op by op.
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
   eqns = all_eqns(lambda p: model.apply(p, None, tokens), params)
   f8 = [e for e in eqns if e.primitive.name == "dot_general"
         and {np.dtype(v.aval.dtype) for v in e.invars} == {E4M3}]

@@ -209,13 +209,15 @@ def test_batched_dot_general_matches_shape_and_values():
   a, b = _normal(0, (3, 5, 7, 16)), _normal(1, (3, 16, 9, 5))
   dims = (((3,), (1,)), ((0,), (0,)))
   ref = lax.dot_general(a, b, dims)
-  out = matmul.fp8_dot_general(a, b, dims)
+  # Jitted: one compile each, not one per eager op.
+  out = jax.jit(lambda a, b: matmul.fp8_dot_general(a, b, dims))(a, b)
   assert out.shape == ref.shape
   assert _rel(out, ref) < 0.05
-  grads = jax.grad(lambda a, b: jnp.sum(matmul.fp8_dot_general(a, b, dims)
-                                        .astype(jnp.float32) * ref), (0, 1))(a, b)
-  refs = jax.grad(lambda a, b: jnp.sum(lax.dot_general(a, b, dims) * ref),
-                  (0, 1))(a, b)
+  grads = jax.jit(jax.grad(
+      lambda a, b: jnp.sum(matmul.fp8_dot_general(a, b, dims)
+                           .astype(jnp.float32) * ref), (0, 1)))(a, b)
+  refs = jax.jit(jax.grad(
+      lambda a, b: jnp.sum(lax.dot_general(a, b, dims) * ref), (0, 1)))(a, b)
   for g, r in zip(grads, refs):
     assert g.shape == r.shape and _rel(g, r) < 0.10
 
@@ -229,15 +231,17 @@ def _conv(x, k):
 def test_convolution_in_float8_forward_and_backward():
   x, k = _normal(0, (2, 9, 9, 4)), _normal(1, (3, 3, 2, 6))
   f = mpolicy.amp(_conv, F8)
-  assert f(x, k).dtype == BF16
-  assert _rel(f(x, k), _conv(x, k)) < 0.05
+  y = jax.jit(f)(x, k)  # Jitted: one compile, not one per eager op.
+  assert y.dtype == BF16
+  assert _rel(y, _conv(x, k)) < 0.05
   text = _hlo(f, x, k)
   convs = [l for l in text.splitlines() if "stablehlo.convolution" in l]
   assert len(convs) == 1 and convs[0].count("f8E4M3FN") == 2
   t = _conv(x, k)
-  grads = jax.grad(lambda x, k: jnp.sum(f(x, k).astype(jnp.float32) * t),
-                   (0, 1))(x, k)
-  refs = jax.grad(lambda x, k: jnp.sum(_conv(x, k) * t), (0, 1))(x, k)
+  grads = jax.jit(jax.grad(
+      lambda x, k: jnp.sum(f(x, k).astype(jnp.float32) * t), (0, 1)))(x, k)
+  refs = jax.jit(jax.grad(lambda x, k: jnp.sum(_conv(x, k) * t), (0, 1)))(
+      x, k)
   for g, r in zip(grads, refs):
     assert g.dtype == F32 and _rel(g, r) < 0.10
   # The backward quantizes the cotangent to e5m2 before its convolutions.
@@ -321,7 +325,7 @@ def _explain_block():
   mpolicy.set_policy(hk.Linear, F8)
   model = mpolicy.transform_amp(_transformer)
   x = _normal(0, (2, 5, 8))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
   return model, params, x, mpolicy.explain(model.apply, params, None, x)
 
 
@@ -366,7 +370,7 @@ def test_example_flag_value_runs_a_transformer_step():
   mpolicy.set_policy(hk.Module, policy)
   model = mpolicy.transform_amp(_transformer)
   x, y = _normal(0, (2, 5, 8)), _normal(1, (2, 5, 4))
-  params = model.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # Not op by op.
 
   @jax.jit
   def step(p):

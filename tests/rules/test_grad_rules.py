@@ -319,7 +319,12 @@ def test_conv_jvp_and_jacfwd_work(groups):
 
 
 @GROUPS
-@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, 0), (0, 0, 0)])
+@pytest.mark.parametrize("in_axes", [
+    # Slow: 9 s by default; (0, 0, 0) batches the image and both kernels
+    # through the same batching rules.
+    pytest.param((0, None, None), marks=pytest.mark.slow),
+    pytest.param((None, 0, 0), marks=pytest.mark.slow),
+    (0, 0, 0)])
 def test_vmap_of_conv_grad_keeps_the_primitive(groups, in_axes):
   k2 = conv_kernel2(groups)
   args = [jnp.stack([a, 0.5 * a]) if ax == 0 else a

@@ -97,7 +97,8 @@ def _gpt_losses():
   tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, V)
   mpolicy.set_policy(hk.Module, HALF)
   amp_gpt = mpolicy.transform_amp(_gpt)
-  params = amp_gpt.init(KEY, tokens)
+  # Jitted: eager, transform_amp's init would run the GPT op by op.
+  params = jax.jit(amp_gpt.init)(KEY, tokens)
   plain = hk.transform(_gpt)
   policy = jmp.get_policy(HALF)
 
