@@ -51,7 +51,7 @@ def test_there_are_docs_pages():
 
 
 # Pages whose examples take most of a minute (the debugging tools run a
-# program op by op): slow, run by CI's newest job (.ci/run); the tests of
+# program op by op): slow, run by CI's oldest job (.ci/run); the tests of
 # tests/debugging check the same tools on both JAX ends.
 SLOW_PAGES = {"debugging.md"}
 

@@ -102,7 +102,7 @@ def test_digits_cnn_at_its_defaults_prints_the_readme_table_and_plots(
   assert png.stat().st_size > 0
 
 
-@pytest.mark.slow  # CI's newest job runs it (.ci/run).
+@pytest.mark.slow  # CI's oldest job runs it (.ci/run).
 def test_char_transformer_with_attention_policy_and_dynamic_scale(tmp_path):
   rc, out, err = run_example(
       "char_transformer", "--steps=2", "--batch_size=2", *TINY_MODEL,
@@ -147,7 +147,7 @@ def test_loss_scaling_lesson_reports_underflow_for_three_runs(tmp_path):
   assert png.stat().st_size > 0
 
 
-@pytest.mark.slow  # CI's newest job runs it (.ci/run).
+@pytest.mark.slow  # CI's oldest job runs it (.ci/run).
 def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   rc, out, err = run_example("loss_scaling_lesson", *LESSON_TINY,
                              "--nocompare", "--mp_scale_type=NoOp",
@@ -157,7 +157,7 @@ def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   assert [r.split(" | ")[0] for r in rows] == ["| f16"]
 
 
-@pytest.mark.slow  # CI's newest job runs it (.ci/run).
+@pytest.mark.slow  # CI's oldest job runs it (.ci/run).
 def test_optimizer_lesson_runs_as_a_file_and_tabulates_its_mode(tmp_path):
   rc, out, err = run_example("optimizer_lesson", *LESSON_TINY,
                              "--modes=stochastic", cwd=tmp_path)
@@ -192,7 +192,7 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   assert re.fullmatch(printed, out.strip()), out
 
 
-@pytest.mark.slow  # CI's newest job runs it (.ci/run); tests/debugging too.
+@pytest.mark.slow  # CI's oldest job runs it (.ci/run); tests/debugging too.
 def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
   rc, out, err = run_example(
       "precision_islands", "--steps=1", "--batch_size=2", *TINY_MODEL,
@@ -416,9 +416,9 @@ def test_float16_dynamic_scale_never_puts_nan_in_params(digits, initial_scale):
 
 
 @pytest.mark.parametrize("flag", [
-    # CI runs this one after the default run, in both jobs (7 s on 2 cores).
+    # CI's newest job runs this one after the default run (7 s on 2 cores).
     pytest.param("", marks=pytest.mark.ci),
-    # CI's newest job runs these (.ci/run); tests/test_distributed.py checks
+    # CI's oldest job runs these (.ci/run); tests/test_distributed.py checks
     # the same modes in process.
     pytest.param("--fsdp", marks=pytest.mark.slow),
     pytest.param("--shard_map", marks=pytest.mark.slow)])
@@ -435,8 +435,8 @@ def test_data_parallel_runs_as_a_file_and_compares_with_one_device(tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", [
     "",
-    # CI's newest job runs these (.ci/run); tests/test_distributed.py checks
-    # the same modes in process.
+    # Run on request (-m slow); tests/test_distributed.py checks the same
+    # modes in process.
     pytest.param("--fsdp", marks=pytest.mark.slow),
     pytest.param("--shard_map", marks=pytest.mark.slow)])
 def test_data_parallel_runs_in_two_processes(tmp_path, flag):
