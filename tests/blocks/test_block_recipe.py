@@ -4,12 +4,14 @@ the 16x16 Hadamard rotation of the weight gradient, and their keys."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpolicy
 from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import block_matmul
 from mpolicy._src.rules import matmul
+from mpolicy._src.training import train_step
 
 F32 = jnp.float32
 DN = (((1,), (0,)), ((), ()))
@@ -167,3 +169,27 @@ def test_block_dot_general_without_a_key_uses_key_zero():
   f = lambda key: jax.grad(lambda w: jnp.sum(matmul.block_dot_general(
       x, w, DN, "nvfp4", out_dtype=F32, key=key)))(w)
   np.testing.assert_array_equal(f(None), f(jax.random.PRNGKey(0)))
+
+
+def test_make_train_step_folds_the_optimizers_step_count_into_the_keys():
+  # nvfp4's stochastic rounding and rotation draw from keys folded with the
+  # step count (optax's Adam `count`): a step is reproducible, steps differ.
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  f = mpolicy.amp(lambda p, x: jnp.sum((x @ p["w"]) ** 2),
+                  "p=f32,c=nvfp4,o=f32")
+  opt = optax.adam(1e-2)
+  step = jax.jit(mpolicy.make_train_step(f, opt))
+  scale = mpolicy.NoOpLossScale()
+  state = opt.init(w)
+  at = lambda n: jax.tree.map(
+      lambda v: jnp.asarray(n, v.dtype) if v.ndim == 0 else v, state)
+  p0, p0_again, p1 = (step(w, at(n), scale, x).params["w"] for n in (0, 0, 1))
+  np.testing.assert_array_equal(np.asarray(p0), np.asarray(p0_again))
+  assert not np.array_equal(np.asarray(p0), np.asarray(p1))
+  # The keys without a step count (no `count` in SGD's state) stay fixed.
+  sgd = mpolicy.make_train_step(f, optax.sgd(1e-2))
+  assert train_step.step_count(optax.sgd(1e-2).init(w)) is None
+  a, b = (sgd(w, optax.sgd(1e-2).init(w), scale, x).params["w"]
+          for _ in range(2))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -14,6 +14,7 @@ import optax
 from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src.blocks import recipe
 from mpolicy._src.training import accumulation
 from mpolicy._src.training import attribution
 from mpolicy._src.training import half_params
@@ -281,6 +282,23 @@ def _warn_if_ignored(reduce_dtype, average_state, axis_name, has_state):
   return unset(reduce_dtype), unset(average_state)
 
 
+def step_count(opt_state: Any) -> Any:
+  """The optimizer's update count: the first integer scalar named ``count``
+  in ``opt_state`` (optax's Adam, schedules, ...), else ``None``. A skipped
+  step leaves it as it was, so a retried step draws the same keys.
+
+  >>> import jax.numpy as jnp, optax
+  >>> int(step_count(optax.adam(1e-3).init({"w": jnp.zeros(2)})))
+  0
+  >>> step_count(optax.sgd(1e-3).init({"w": jnp.zeros(2)})) is None
+  True
+  """
+  for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count"):
+    if jnp.ndim(v) == 0 and jnp.issubdtype(jnp.result_type(v), jnp.integer):
+      return v
+  return None
+
+
 def _step(grad_fn, optimizer):
   """The step of a model without state."""
 
@@ -288,8 +306,9 @@ def _step(grad_fn, optimizer):
     loss_scale_lib.require_loss_scale(
         loss_scale, "make_train_step",
         "step(params, opt_state, loss_scale, *args)")
-    new_loss_scale, finite, value, grads, *flags = grad_fn(
-        loss_scale, params, *args, **kwargs)
+    with recipe.step_count(step_count(opt_state)):  # The block formats' keys.
+      new_loss_scale, finite, value, grads, *flags = grad_fn(
+          loss_scale, params, *args, **kwargs)
     new_params, new_opt_state = skipping.update_if_finite(
         optimizer, grads, opt_state, params, finite)
     return TrainStepResult(new_params, new_opt_state, new_loss_scale,
@@ -325,8 +344,9 @@ def _step_with_state(grad_fn, optimizer, has_aux, average_over):
     loss_scale_lib.require_loss_scale(
         loss_scale, "make_train_step(has_state=True)",
         "step(params, model_state, opt_state, loss_scale, *args)")
-    new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
-        grad_fn(loss_scale, params, model_state, *args, **kwargs))
+    with recipe.step_count(step_count(opt_state)):  # The block formats' keys.
+      new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
+          grad_fn(loss_scale, params, model_state, *args, **kwargs))
     value = (loss, aux) if has_aux else loss
     if average_over is not None:
       new_model_state = distributed.average_value(
