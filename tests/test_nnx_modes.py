@@ -13,23 +13,7 @@ import mpolicy
 
 nnx = pytest.importorskip("flax.nnx")
 
-POLICY = "p=f32,c=bf16,o=f32"
-
-
-class Net(nnx.Module):
-
-  def __init__(self, rngs):
-    self.linear = nnx.Linear(3, 4, rngs=rngs)
-    self.norm = nnx.BatchNorm(4, rngs=rngs)
-    self.drop = nnx.Dropout(0.5, rngs=rngs)
-
-  def __call__(self, x, train=True):
-    h = self.norm(self.linear(x), use_running_average=not train)
-    return self.drop(h, deterministic=not train)
-
-
-def _x():
-  return jax.random.normal(jax.random.PRNGKey(0), (16, 3)) + 5.
+from _nnx_net import _x, Net, POLICY  # pylint: disable=g-bad-import-order
 
 
 @contextlib.contextmanager
