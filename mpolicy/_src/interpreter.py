@@ -49,12 +49,11 @@ from mpolicy._src.rules import facts as facts_lib
 class Env:
   """Values of one jaxpr's variables, and the casts made of them.
 
-  It also knows which values are parameters or inputs: the arrays that
-  entered the `amp` call (arguments, closed-over constants) and reshapes,
-  broadcasts, transposes and slices of them. Where such a value is wider
-  than the governing compute dtype and meets half values in an op without a
-  rule, it is used in the compute dtype (as Haiku's policies cast
-  parameters), so ``x @ w + b`` adds the bias in half.
+  It knows which values are parameters or inputs (arrays that entered the
+  `amp` call, and reshapes, broadcasts, transposes, slices of them): one
+  wider than the compute dtype meeting half values in an op without a rule
+  is used in the compute dtype (as Haiku casts parameters), so
+  ``x @ w + b`` adds the bias in half.
   """
 
   def __init__(self):
@@ -183,11 +182,9 @@ class Config:
   rules: op_rules_lib.OpRules
   outer: Optional[regions.Region]
   quiet: bool = False
-  # Regions already resolved in this run, by scope names (one registry
-  # look-up per scope rather than per equation).
+  # Regions resolved in this run, by scope names (a look-up per scope).
   region_cache: dict = dataclasses.field(default_factory=dict, compare=False)
-  # Sub-jaxprs already interpreted in this run (see `Scope.trace`), and
-  # which sub-jaxprs hold no scope names of their own.
+  # Sub-jaxprs interpreted in this run (`Scope.trace`); those unnamed.
   trace_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   unnamed_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   # Set while a program is replayed as written (see `replay`).
@@ -221,14 +218,10 @@ class Scope:
     self._eqn = eqn
 
   def _per_input(self, flags: list, in_avals, eqn, none=False) -> list:
-    """``flags`` (one per operand) mapped onto a sub-jaxpr's inputs.
-
-    Operands map onto a sub-jaxpr's inputs one to one (`jit`, `checkpoint`,
-    `scan`, `shard_map`, a `custom_jvp` primal), or after the index (`cond`);
-    other layouts (a `while` cond, a JVP rule) get ``none`` throughout, and
-    so do a `scan`'s loop carries (they change from one iteration to the
-    next).
-    """
+    """``flags`` (one per operand) mapped onto a sub-jaxpr's inputs: one to
+    one (`jit`, `checkpoint`, `scan`, `shard_map`, a `custom_jvp` primal) or
+    after the index (`cond`); other layouts (a `while` cond, a JVP rule) and
+    a `scan`'s carries (they change per iteration) get ``none``."""
     if len(in_avals) == len(flags):
       out = list(flags)
     elif len(in_avals) == len(flags) - 1:
@@ -264,13 +257,10 @@ class Scope:
   def trace(self, closed, in_avals, out_dtypes=None, *,
             quiet: bool = False,
             cast_inputs_to=None) -> jax_compat.ClosedJaxpr:
-    """Interprets ``closed`` at ``in_avals`` into a new closed jaxpr.
-
-    ``out_dtypes``, when given, fixes the dtype of each floating output
-    (``None`` entries are left as they come); ``cast_inputs_to`` likewise
-    casts the inputs to the dtypes of these avals first. ``quiet`` keeps the
-    equations out of `explain` (for probes and lazily traced rules).
-    """
+    """Interprets ``closed`` at ``in_avals`` into a new closed jaxpr;
+    ``out_dtypes`` fixes floating outputs' dtypes (``None``: as they come),
+    ``cast_inputs_to`` the inputs' first; ``quiet`` keeps the equations out
+    of `explain` (probes, lazily traced rules)."""
     config = dataclasses.replace(self._config,
                                  quiet=self._config.quiet or quiet)
     names = self.names
@@ -283,8 +273,7 @@ class Scope:
 
     def run(*args):
       env = Env()
-      env.arg_params = arg_params
-      env.arg_consts = arg_consts
+      env.arg_params, env.arg_consts = arg_params, arg_consts
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if dtypes.float_value((a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -301,16 +290,11 @@ class Scope:
 
   def _cache_key(self, config, closed, in_avals, out_dtypes, cast_inputs_to,
                  arg_params, arg_consts) -> Optional[tuple]:
-    """What `trace` depends on, where one answer serves every call site.
-
-    A sub-jaxpr without scope names of its own (the `jit` bodies that
-    `jnp.where`, `jnp.var` or `jnp.tril` make) runs under the region of its
-    call site throughout, so its result depends only on the policy there,
-    not on which module calls it: a deep model's layers share one
-    interpretation, and the one new jaxpr lets JAX's own caches hit too.
-    Nothing is shared while `explain` records (each site is a row) or the
-    debugger tags sites (each is named).
-    """
+    """What `trace` depends on, where one answer serves every call site:
+    a sub-jaxpr without scope names (`jnp.where`'s `jit` body) depends only
+    on the policy at its call site, so a deep model's layers share one
+    interpretation (and JAX's caches hit). Nothing is shared while an
+    observer watches (each site is a row)."""
     if observe.active():
       return None
     if not _unnamed(closed.jaxpr, config.unnamed_cache):
@@ -498,12 +482,11 @@ class Step:
 def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
   """Runs ``closed`` as written, one equation at a time, eagerly.
 
-  No rule applies: each first-order equation is bound as it is (JAX
-  caches one executable per primitive and shape, so nothing the size of
-  the program is compiled) and a higher-order one is stepped through by
-  its step rule (`stepping`): loops iterate, a `cond` runs its branch.
-  Observers (`observe`) see every equation with concrete values, its loop
-  iteration and its device. The debugger checks programs so.
+  No rule applies: each first-order equation is bound as it is (one
+  executable per primitive and shape, none the program's size), a
+  higher-order one stepped through by its step rule (`stepping`). Observers
+  see every equation with concrete values, iteration and device: the
+  debugger checks programs so.
   """
   config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, step=Step())
   return eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), config,
@@ -511,13 +494,9 @@ def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
 
 
 def replay_binding(closed: jax_compat.ClosedJaxpr, args, binds) -> list:
-  """Runs ``closed`` on ``args`` (traced or not) as written, untold to any
-  observer, binding each primitive of ``binds`` (primitive ->
-  ``bind(eqn, invals)`` giving its outputs, a list) as it says.
-
-  An op rule that reuses JAX's own rule for its primitive (a convolution's
-  transpose, traced by JAX, its convolutions bound as mpolicy's) runs it so.
-  """
+  """Runs ``closed`` on ``args`` as written, untold to observers, binding
+  the primitives of ``binds`` (primitive -> ``bind(eqn, invals)``) as it
+  says: for an op rule reusing JAX's rule (a convolution's transpose)."""
   config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, quiet=True,
                   step=Step(binds=binds))
   with observe.unwatched():
