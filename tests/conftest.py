@@ -10,7 +10,7 @@ from _helpers import facts_on_eight_devices
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
   """A test marked ``ci`` is slow too: the default run leaves it out, and
-  CI runs it after the default run, in both jobs (``-m ci``)."""
+  CI's newest job runs it after the default run (``-m ci``)."""
   for item in items:
     if item.get_closest_marker("ci") is not None:
       item.add_marker(pytest.mark.slow)

@@ -1,8 +1,11 @@
 """Smoke test of benchmarks/bench_step_memory.py on a small MLP."""
 
+import pytest
+
 from test_bench_smoke import _load
 
 
+@pytest.mark.ci  # 6 s, a benchmark's measurement: once, in CI's newest job.
 def test_the_donated_step_holds_the_gradients_not_a_second_copy():
   bench = _load("bench_step_memory")
   # Weights dominate: 0.8M parameters, a batch of 8.

@@ -185,6 +185,7 @@ except FileExistsError:
 """
 
 
+@pytest.mark.ci  # 5-7 s (subprocesses or a sharded mesh): once, in CI's newest job; the other tests here check the same save/restore paths on both ends.
 def test_racing_processes_leave_one_whole_checkpoint(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
@@ -262,6 +263,7 @@ for i in range(6):
 """
 
 
+@pytest.mark.ci  # 5-7 s (subprocesses or a sharded mesh): once, in CI's newest job; the other tests here check the same save/restore paths on both ends.
 def test_a_damaged_checkpoint_leaves_nothing_to_print_at_exit():
   # orbax reads the arrays concurrently and stops at the first error; the
   # reads in flight, the tasks whose errors nobody read and the coroutines
@@ -450,6 +452,7 @@ print("FACTS=" + json.dumps({
 """
 
 
+@pytest.mark.ci  # 5-7 s (subprocesses or a sharded mesh): once, in CI's newest job; the other tests here check the same save/restore paths on both ends.
 def test_sharded_state_resumes_bitwise_with_the_template_shardings(eight_devices):
   facts = eight_devices
   assert facts["devices"] == 8

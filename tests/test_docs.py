@@ -50,14 +50,15 @@ def test_there_are_docs_pages():
   assert len(PAGES) >= 8, [p.name for p in PAGES]
 
 
-# Pages whose examples take most of a minute (the debugging tools run a
-# program op by op): slow, run by CI's oldest job (.ci/run); the tests of
-# tests/debugging check the same tools on both JAX ends.
-SLOW_PAGES = {"debugging.md"}
+# Pages whose examples take 4-25 s each (debugging.md's tools run a program
+# op by op): run once, in CI's newest job (.ci/run); the tests of their
+# tools run on both JAX ends.
+CI_PAGES = {"training.md", "op_rules.md", "fp8.md", "distributed.md",
+            "debugging.md"}
 
 
 @pytest.mark.parametrize("page", [
-    pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p
+    pytest.param(p, marks=pytest.mark.ci) if p.name in CI_PAGES else p
     for p in PAGES], ids=lambda p: p.name)
 def test_page_examples_run(page):
   namespace = {"__name__": f"docs_{page.stem}"}

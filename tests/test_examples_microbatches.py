@@ -34,6 +34,7 @@ def test_data_parallel_accumulates_over_microbatches(tmp_path, flag):
   assert "one device:" in out
 
 
+@pytest.mark.ci  # 5 s subprocess: once, in CI's newest job.
 def test_data_parallel_microbatches_must_divide_each_share(tmp_path):
   rc, out, err = run_example("data_parallel", "--steps=1", "--batch_size=16",
                              "--microbatches=4", cwd=tmp_path, timeout=120)

@@ -123,6 +123,7 @@ print("FACTS=" + json.dumps(facts))
 
 
 
+@pytest.mark.ci  # 5 s subprocess: once, in CI's newest job (with the other 8-device checks).
 def test_the_subprocess_sees_eight_devices(eight_devices):
   assert eight_devices["device_count"] == 8
 

@@ -9,6 +9,10 @@ import pytest
 
 import mpolicy
 
+# 4-7 s each: once, in CI's newest job; CI's oldest job runs every recipe
+# as a file (tests/test_examples.py, -k porting_recipe).
+pytestmark = pytest.mark.ci
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORTING = ROOT / "examples" / "porting"
 RECIPES = ("haiku_jmp.py", "haiku_f32.py", "flax_linen.py", "equinox_mlp.py")

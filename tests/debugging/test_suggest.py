@@ -204,6 +204,7 @@ def test_a_float16_model_is_judged_on_its_loss_scaled_gradients():
   assert "No island needed" in str(scaled)
 
 
+@pytest.mark.ci  # 5 s: once, in CI's newest job; the Haiku island tests here run on both ends.
 def test_a_flax_root_island_keeps_its_children_in_the_policy():
   """A Flax root module is named by its class ("Model") while its
   children keep Flax's names ("Dense_0"): as an island, its own ops run
