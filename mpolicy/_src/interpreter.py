@@ -73,6 +73,7 @@ class Env:
     self._spread: set[int] = set()
     # Variables read only by `full` ops (they keep float32 results).
     self.full_only: set[Any] = set()
+    self.places = [0]  # Next block matmul's place; shared with sub-jaxprs.
     self.inserted = 0
 
   def mark_param(self, x) -> None:
@@ -187,8 +188,7 @@ class Config:
   # Sub-jaxprs interpreted in this run (`Scope.trace`); those unnamed.
   trace_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   unnamed_cache: dict = dataclasses.field(default_factory=dict, compare=False)
-  # Set while a program is replayed as written (see `replay`).
-  step: Optional["Step"] = None
+  step: Optional["Step"] = None  # While replayed as written (`replay`).
 
   def region(self, names: tuple[str, ...]) -> Optional[regions.Region]:
     if self.step is not None:
@@ -274,6 +274,7 @@ class Scope:
     def run(*args):
       env = Env()
       env.arg_params, env.arg_consts = arg_params, arg_consts
+      env.places = self._env.places
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if dtypes.float_value((a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -468,8 +469,7 @@ class Step:
     traced: inside a body traced once for every device.
     outs_read: per output, whether the forward pass reads it (``None``:
       all of them, outside a backward pass).
-    binds: primitive -> ``bind(eqn, invals)`` giving its outputs (a
-      list), bound so instead of as written (see `replay_binding`).
+    binds: primitive -> ``bind(eqn, invals)`` (see `replay_binding`).
   """
   iteration: Optional[int] = None
   device: Any = None

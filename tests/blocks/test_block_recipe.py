@@ -193,3 +193,20 @@ def test_make_train_step_folds_the_optimizers_step_count_into_the_keys():
   a, b = (sgd(w, optax.sgd(1e-2).init(w), scale, x).params["w"]
           for _ in range(2))
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_places_count_across_sub_jaxprs():
+  # Two matmuls in two checkpointed blocks are places 0 and 1, not both 0
+  # (each sub-jaxpr is interpreted in its own environment): their
+  # stochastic rounding draws differ, so the two weight gradients differ.
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+  w = jax.random.normal(jax.random.PRNGKey(1), (32, 32))
+  rules = mpolicy.DEFAULT_RULES.with_fp8(min_size=0, hadamard=False)
+
+  def f(w1, w2, x):
+    h = jax.checkpoint(lambda w, x: x @ w)(w1, x)
+    return jnp.sum(jax.checkpoint(lambda w, x: x @ w)(w2, x) * h)
+
+  g1, g2 = jax.grad(mpolicy.amp(f, "p=f32,c=mxfp4,o=f32", rules=rules),
+                    (0, 1))(w, w, x)
+  assert not np.array_equal(np.asarray(g1), np.asarray(g2))

@@ -5,7 +5,7 @@ operand stochastically and rotate the weight-gradient matmul's operands by
 a random 16 x 16 Hadamard transform (`hadamard_rotate`). Their randomness
 comes from one key per matmul, `op_key`: the rules' ``seed`` option folded
 with the matmul's place in the program (its count among the block matmuls
-of the traced function) and, where a step count is given (`step_count`),
+of the interpreted program, sub-jaxprs included) and, where a step count is given (`step_count`),
 with it, so that a step is reproducible and steps differ.
 
 >>> import jax, jax.numpy as jnp
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from typing import Any, Iterator, Optional
-import weakref
 
 import jax
 from jax import lax
@@ -33,7 +32,6 @@ HADAMARD_SIZE = 16
 
 _STEP: contextvars.ContextVar = contextvars.ContextVar(
     "mpolicy_block_step", default=None)
-_PLACES: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def _hadamard(n: int) -> np.ndarray:
@@ -62,13 +60,6 @@ def step_count(step: Any) -> Iterator[None]:
 def current_step() -> Optional[Any]:
   """The step count `step_count` set, else ``None``."""
   return _STEP.get()
-
-
-def next_place(env: Any) -> int:
-  """The place of the next block matmul traced in ``env`` (0, 1, ...)."""
-  place = _PLACES.get(env, 0)
-  _PLACES[env] = place + 1
-  return place
 
 
 def op_key(seed: int, place: int, step: Optional[Any] = None) -> jax.Array:

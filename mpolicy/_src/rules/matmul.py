@@ -479,7 +479,8 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   lhs, rhs, out_dtype, label = admitted
   dimension_numbers, _ = jax_compat.dot_params(op.eqn)
   if fmt is not None:
-    key = recipe.op_key(options.seed, recipe.next_place(op.env),
+    op.env.places[0] += 1
+    key = recipe.op_key(options.seed, op.env.places[0] - 1,
                         recipe.current_step())
     return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
                               out_dtype=out_dtype,
