@@ -21,6 +21,7 @@ import numpy as np
 from mpolicy._src import arguments
 from mpolicy._src import dtypes
 from mpolicy._src import frameworks
+from mpolicy._src import environment
 from mpolicy._src import interpreter
 from mpolicy._src import jax_compat
 from mpolicy._src import op_rules as op_rules_lib
@@ -229,10 +230,10 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   # values needs).
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
   observe.count_run()
-  env = interpreter.Env()
+  env = environment.Env()
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,
-      dataclasses.replace(config, region_cache={}),
+      dataclasses.replace(config, region_cache={}, shared={}),
       jax_compat.current_scope_names(), env)
   final = []
   for i, (out, aval) in enumerate(zip(outs, closed.out_avals)):

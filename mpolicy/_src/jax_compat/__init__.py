@@ -31,15 +31,17 @@ from mpolicy._src.jax_compat.linearize import *  # pylint: disable=wildcard-impo
 from mpolicy._src.jax_compat.params import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.processes import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat.remat import *  # pylint: disable=wildcard-import
+from mpolicy._src.jax_compat.structure import *  # pylint: disable=wildcard-import
 from mpolicy._src.jax_compat import calls as _calls
 from mpolicy._src.jax_compat import internals as _internals
 from mpolicy._src.jax_compat import linearize as _linearize
 from mpolicy._src.jax_compat import params as _params
 from mpolicy._src.jax_compat import processes as _processes
 from mpolicy._src.jax_compat import remat as _remat
+from mpolicy._src.jax_compat import structure as _structure
 from mpolicy._src.jax_compat import hijax
 from mpolicy._src.jax_compat import private
 from mpolicy._src.jax_compat.hijax import jaxprs_in_params
 
 __all__ = [*_internals.__all__, *_calls.__all__, *_linearize.__all__, *_params.__all__,
-           *_processes.__all__, *_remat.__all__, "jaxprs_in_params"]
+           *_processes.__all__, *_remat.__all__, *_structure.__all__, "jaxprs_in_params"]

@@ -73,15 +73,21 @@ def current_name_stack():
 
 
 @contextlib.contextmanager
-def eqn_context_under(base_stack, eqn) -> Iterator[None]:
+def eqn_context_under(base_stack, eqn, drop: int = 0,
+                      keep: Optional[int] = None) -> Iterator[None]:
   """Like `eqn_context`, with the equation's name stack under ``base_stack``.
 
   Name stacks inside a traced jaxpr are relative to where it was traced, so
   an interpreter re-binding equations prefixes them with the name stack in
-  force where it runs (empty inside a fresh trace).
+  force where it runs (empty inside a fresh trace); ``drop`` leaves out the
+  equation's first entries (those of a call it is now inside), ``keep``
+  keeps only its first ones (those of the call made in its place).
   """
+  stack = eqn.source_info.name_stack
+  stack = stack if keep is None else stack[:keep]
   with _siu.user_context(eqn.source_info.traceback,
-                         name_stack=base_stack + eqn.source_info.name_stack):
+                         name_stack=base_stack + (stack[drop:] if drop
+                                                  else stack)):
     yield
 
 
@@ -160,6 +166,7 @@ Tracer = jex_core.Tracer if hasattr(jex_core, "Tracer") else jax.core.Tracer
 AUTODIFF_TRACERS = (_ad.JVPTracer, _ad_private.LinearizeTracer)
 
 ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 DropVar = jex_core.DropVar
 
@@ -526,6 +533,7 @@ __all__ = [
     "called_jax_function",
     "check_vma_enabled",
     "ClosedJaxpr",
+    "Jaxpr",
     "cond_p",
     "conv_batch",
     "conv_general_dilated_p",
