@@ -157,8 +157,9 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
       if policy is not None and isinstance(policy.compute_dtype,
                                            formats.BlockFormat):
         raise jax_compat.Unkeyable("block format: keys drawn by place")
-      by_names[n] = (None if region is None else
-                     (policy, region.full_precision),
+      by_names[n] = (None if region is None else  # What rules read.
+                     (policy, region.full_precision,
+                      region.module_class is not None),
                      regions.policy_cast_of(n))
     return by_names[n]
 

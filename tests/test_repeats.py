@@ -1,0 +1,203 @@
+"""Identical module calls are interpreted once and bound as one shared body.
+
+The model: three identical residual blocks (layer norm, two linears, gelu)
+and a head, under `transform_amp` with a bf16 policy. Sharing is checked
+by the program (one body object for the three calls) and by the values (bit
+for bit against the same program with sharing off, each evaluated one
+primitive at a time so that no XLA fusion keeps excess precision).
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpolicy
+from mpolicy._src import jax_compat
+from mpolicy._src import repeats
+
+HALF = "p=f32,c=bf16,o=f32"
+
+
+class Block(hk.Module):
+
+  def __call__(self, x):
+    h = hk.LayerNorm(-1, True, True)(x)
+    h = jax.nn.gelu(hk.Linear(16)(h))
+    return x + hk.Linear(8)(h)
+
+
+def _forward(x, layers=3):
+  for _ in range(layers):
+    x = Block()(x)
+  return jnp.sum(jax.nn.log_softmax(hk.Linear(4)(x)))
+
+
+X = jnp.linspace(-2, 2, 32, dtype=jnp.float32).reshape(4, 8)
+
+
+@pytest.fixture(name="model")
+def _model():
+  f = mpolicy.transform_amp(_forward)
+  params = jax.jit(f.init)(jax.random.PRNGKey(0), X)
+  with mpolicy.push_policy(hk.Module, HALF):
+    yield f, params
+
+
+@pytest.fixture(name="unshared")
+def _unshared(monkeypatch):
+  """Sharing off (JAX's trace caches cleared on both sides)."""
+  jax.clear_caches()
+  monkeypatch.setattr(repeats, "MIN_EQNS", 10**9)
+  yield
+  jax.clear_caches()
+
+
+def _calls(jaxpr, name="block"):
+  return [e for e in jaxpr.eqns if e.primitive is jax_compat.jit_p
+          and e.params.get("name") == name]
+
+
+def _program(f, params):
+  return jax.make_jaxpr(lambda p, x: f.apply(p, None, x))(params, X)
+
+
+def test_identical_blocks_share_one_body(model):
+  f, params = model
+  calls = _calls(_program(f, params).jaxpr)
+  assert len(calls) == 3
+  # The first block reads the call's input (the rules may treat it as they
+  # treat a parameter): its own body. The others meet one body, so JAX's
+  # caches (JVP, transpose, lowering) hit.
+  assert calls[0].params["jaxpr"] is not calls[1].params["jaxpr"]
+  assert calls[1].params["jaxpr"] is calls[2].params["jaxpr"]
+  body = calls[0].params["jaxpr"].jaxpr
+  dots = [e for e in body.eqns if "dot_general" in e.primitive.name]
+  assert len(dots) == 2
+  assert all(str(e.invars[0].aval.dtype) == "bfloat16" for e in dots)
+
+
+def test_without_sharing_the_blocks_are_inline(model, unshared):
+  del unshared
+  f, params = model
+  jaxpr = _program(f, params).jaxpr
+  assert not _calls(jaxpr)
+  assert sum("dot_general" in e.primitive.name for e in jaxpr.eqns) == 7
+
+
+def _values_and_grads(f, params):
+  closed = jax.make_jaxpr(jax.value_and_grad(
+      lambda p, x: f.apply(p, None, x)))(params, X)
+  with jax.disable_jit():  # Primitive by primitive: no fusion rounds.
+    return [np.asarray(v) for v in jax_compat.eval_eagerly(
+        closed, *jax.tree_util.tree_leaves(params), X)]
+
+
+@pytest.mark.ci  # Every primitive dispatched on its own: 8 s on 2 cores.
+def test_shared_blocks_compute_bit_for_bit_as_inline(model, monkeypatch):
+  f, params = model
+  # Blocks output bf16: the next block's layer norm reads the float32 value
+  # they were cast down from (a mark that crosses the call).
+  with mpolicy.push_policy(Block, "p=f32,c=bf16,o=bf16"):
+    shared = _values_and_grads(f, params)
+    assert len(_calls(_program(f, params).jaxpr)) == 3
+    jax.clear_caches()
+    monkeypatch.setattr(repeats, "MIN_EQNS", 10**9)
+    inline = _values_and_grads(f, params)
+  jax.clear_caches()
+  assert len(shared) == len(inline) == 1 + len(jax.tree_util.tree_leaves(
+      params))
+  for a, b in zip(shared, inline):
+    assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_a_block_with_its_own_policy_runs_inline(model):
+  f, params = model
+  with mpolicy.push_policy("block_1", "p=f32,c=f32,o=f32"):
+    jaxpr = _program(f, params).jaxpr
+  calls = _calls(jaxpr)
+  assert len(calls) == 2  # block and block_2 are still calls.
+  inline_dots = [e for e in jaxpr.eqns if "dot_general" in e.primitive.name]
+  assert len(inline_dots) == 3  # block_1's two and the head's.
+  f32 = [e for e in inline_dots if str(e.invars[0].aval.dtype) == "float32"]
+  assert len(f32) == 2
+
+
+def test_explain_reports_every_block(model):
+  f, params = model
+  report = mpolicy.explain(f.apply, params, None, X)
+  dots = [r.scope for r in report.rows if r.primitive == "dot_general"]
+  assert sorted(dots) == sorted(
+      f"{b}/{l}" for b in ("block", "block_1", "block_2")
+      for l in ("linear", "linear_1")) + ["linear"], dots
+
+
+def test_block_formats_are_not_shared(model):
+  """Block-format recipes draw random keys by a matmul's place: each layer
+  must be interpreted on its own."""
+  f, params = model
+  with mpolicy.push_policy(hk.Module, "p=f32,c=mxfp8,o=f32"):
+    jaxpr = _program(f, params).jaxpr
+  assert not _calls(jaxpr)
+
+
+def test_short_runs_stay_inline():
+  def two_linears(x):
+    return hk.Linear(8, name="a")(hk.Linear(8, name="b")(x))
+
+  f = mpolicy.transform_amp(two_linears)
+  params = jax.jit(f.init)(jax.random.PRNGKey(0), X)
+  with mpolicy.push_policy(hk.Module, HALF):
+    jaxpr = jax.make_jaxpr(lambda p: f.apply(p, None, X))(params).jaxpr
+  assert not _calls(jaxpr, "a") and not _calls(jaxpr, "b")
+  assert sum("dot_general" in e.primitive.name for e in jaxpr.eqns) == 2
+
+
+# --- Keys ---------------------------------------------------------------------
+
+
+def _key(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return jax_compat.run_key(jaxpr.eqns, jaxpr.invars, jaxpr.outvars)
+
+
+def test_keys_tell_custom_jvp_rules_apart():
+  def make(scale):
+    @jax.custom_jvp
+    def f(x):
+      return jnp.sin(x)
+    f.defjvp(lambda p, t: (f(p[0]), scale * t[0]))
+    return f
+
+  two, three, other_two = make(2.0), make(3.0), make(2.0)
+  assert _key(two, 1.0) == _key(other_two, 1.0)
+  assert _key(two, 1.0) != _key(three, 1.0)
+  assert _key(jax.nn.relu, X) == _key(jax.nn.relu, X)  # Calls itself.
+
+
+def test_keys_differ_in_literals_types_and_wiring():
+  assert _key(lambda x: x * 2.0, 1.0) != _key(lambda x: x * 3.0, 1.0)
+  assert _key(lambda x: x * 2.0, 1.0) != _key(lambda x: x * 2.0, X)
+  assert _key(lambda x, y: x - y, 1.0, 2.0) != _key(lambda x, y: y - x, 1.0,
+                                                       2.0)
+  assert _key(lambda x, y: x - y, 1.0, 2.0) == _key(lambda a, b: a - b, 3.0,
+                                                       4.0)
+
+
+def test_effects_and_traced_constants_are_unkeyable():
+  def printing(x):
+    jax.debug.print("{}", x)
+    return x
+
+  with pytest.raises(jax_compat.Unkeyable, match="effects"):
+    _key(printing, 1.0)
+  with pytest.raises(jax_compat.Unkeyable, match="Tracer"):
+    jax_compat.value_key(jax.make_jaxpr(lambda x: x)(1.0).jaxpr.invars[0].aval
+                         and _tracer(), {})
+
+
+def _tracer():
+  found = []
+  jax.make_jaxpr(lambda x: found.append(x) or x)(1.0)
+  return found[0]
