@@ -1,7 +1,7 @@
-"""`save_checkpoint` (checks, agreement across processes, checksums, orbax's
-commit, the rename into place) and `restore_checkpoint` (the template
-checked against the metadata, the arrays read, every checksum checked)."""
+"""`save_checkpoint` and `restore_checkpoint`: mpolicy's checks, agreement
+across processes and checksums around orbax's write and read."""
 
+import functools
 import itertools
 import os
 import shutil
@@ -80,13 +80,12 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
   def prepare():
     dest = disk.local_path(path, what)
     flat, described, _ = leaves_lib.flatten(tree, what)
-    whole = lambda v: (v.is_fully_addressable if isinstance(v, jax.Array)
-                       else leaves_lib.host_kind(v))
+    whole = {k: v for k, v in flat.items() if group.count > 1 and (
+        v.is_fully_addressable if isinstance(v, jax.Array)
+        else leaves_lib.host_kind(v))}
     shared = {"path": dest, "leaves": [zlib.crc32(repr(d).encode())
                                        for d in described.items()],
-              "whole": {k: str(digests.part(v, described[k][0], True))
-                        for k, v in flat.items()
-                        if group.count > 1 and whole(v)}}
+              "whole": dict(zip(whole, digests.parts(whole, described, True)))}
     if group.primary:
       made.append(disk.scratch(dest, overwrite, what))
       shared["scratch"] = made[0]
@@ -102,14 +101,12 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
     if group.count > 1:  # One array on every device, written once.
       flat = {k: leaves_lib.to_global(v) if isinstance(v, jax.Array)
                  and v.is_fully_addressable else v for k, v in flat.items()}
-    return flat, [str(digests.part(v, meta["leaves"][k][0], group.primary))
-                  for k, v in flat.items()]
+    return flat, digests.parts(flat, meta["leaves"], group.primary)
 
   try:
     (dest, flat, meta), shared = group.step(prepare)
     flat, parts = group.step(lambda: check(flat, shared, meta))
-    meta["digests"] = {k: digests.total(p[i] for p in parts)
-                       for i, k in enumerate(flat)}
+    meta["digests"] = digests.totals(flat, parts)
     staged = os.path.join(shared[0]["scratch"], "checkpoint")
     disk.write(staged, flat, meta, group)
     group.step(lambda: (disk.place(staged, dest, overwrite, what)
@@ -175,29 +172,24 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   group = processes.Processes(what)
   (src, flat, treedef, meta), _ = group.step(
       lambda: _open(path, template, group, what))
-  kinds, saved, shardings = meta.get("host_values", {}), meta["leaves"], []
-
-  def saved_sharding(key):  # Read once, if a leaf needs them.
-    shardings[:] = shardings or [disk.saved_shardings(src)]
-    return shardings[0].get(key)
+  kinds, saved = meta.get("host_values", {}), meta["leaves"]
+  shardings = functools.cache(lambda: disk.saved_shardings(src))  # If needed.
 
   def read():
-    target = {k: leaves_lib.restore_target(
-        v, kinds.get(k), saved[k][0], lambda k=k: saved_sharding(k))
-              for k, v in flat.items()}
-    out = disk.read(src, group, what, target)
-    return out, [str(digests.part(out[k], saved[k][0], group.primary))
-                 for k in flat]
+    out = disk.read(src, group, what, {k: leaves_lib.restore_target(
+        v, kinds.get(k), saved[k][0], lambda k=k: shardings().get(k))
+                                        for k, v in flat.items()})
+    out = {k: out[k] for k in flat}
+    return out, digests.parts(out, saved, group.primary)
 
-  restored, parts = group.step(read)
-  sums = meta.get("digests", {})  # None before version 3.
-  bad = [k for i, k in enumerate(flat)
-         if k in sums and digests.total(p[i] for p in parts) != sums[k]]
+  (restored, parts), sums = group.step(read), meta.get("digests", {})
+  bad = [k for k, v in digests.totals(flat, parts).items()
+         if k in sums and v != sums[k]]  # None before version 3.
   if bad:  # The same on every process.
     raise ValueError(
         f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
         "checksum saved with it: the checkpoint is damaged (its data "
         "changed after it was written). Restore an earlier checkpoint.")
   return jax.tree_util.tree_unflatten(treedef, [
-      leaves_lib.restored_like(flat[k], restored[k], kinds.get(k))
-      for k in flat])
+      leaves_lib.restored_like(flat[k], v, kinds.get(k))
+      for k, v in restored.items()])
