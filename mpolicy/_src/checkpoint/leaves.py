@@ -1,9 +1,7 @@
-"""What a checkpoint holds: leaves (JAX arrays, typed keys included; numpy
-values and Python numbers, host values that a `jax.eval_shape` template
-gets back as saved; in a template `jax.ShapeDtypeStruct`s) and metadata
-(each leaf's dtype and shape, which were host values, checksums, and the
-loss scales' settings, which flattening drops), checked against a
-template."""
+"""What a checkpoint holds, checked against a template: leaves (JAX arrays,
+typed keys included, numpy values and Python numbers; in a template also
+`jax.ShapeDtypeStruct`s) and metadata (each leaf's dtype and shape, which
+leaves were host values, checksums, and the loss scales' settings)."""
 
 import functools
 from typing import Any, Callable, Optional
@@ -68,14 +66,14 @@ def replicated() -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def to_global(leaf: jax.Array) -> jax.Array:
-  """A leaf each process holds whole, as one array on every device (so
-  that orbax writes it once)."""
-  sharding = replicated()
-  mine = [d for d in sharding.mesh.devices.flat
+def to_global(flat: dict) -> dict:
+  """`flat` with each array that each process holds whole made one array
+  on every device (so that orbax writes it once)."""
+  mine = [d for d in replicated().mesh.devices.flat
           if d.process_index == jax.process_index()]  # In the mesh's order.
-  shards = [jax.device_put(leaf, d) for d in mine]
-  return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
+  return {k: jax.make_array_from_single_device_arrays(v.shape, replicated(), [
+      jax.device_put(v, d) for d in mine]) if isinstance(v, jax.Array)
+          and v.is_fully_addressable else v for k, v in flat.items()}
 
 
 def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
@@ -139,7 +137,8 @@ _SETTINGS = {
 
 
 def settings(tree: Any) -> dict[str, dict[str, Any]]:
-  """`{keystr: {"type": name, setting: value}}` for each loss scale."""
+  """`{keystr: {"type": name, setting: value}}` for each loss scale, whose
+  settings flattening drops."""
   is_ls = lambda x: type(x) in _SETTINGS
   nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]
   return {jax.tree_util.keystr(path): dict(type=type(node).__name__, **{

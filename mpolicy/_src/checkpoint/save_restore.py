@@ -99,8 +99,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
                     "checkpoint's path: every process must save to one "
                     "directory on a file system they all share.")
     if group.count > 1:  # One array on every device, written once.
-      flat = {k: leaves_lib.to_global(v) if isinstance(v, jax.Array)
-                 and v.is_fully_addressable else v for k, v in flat.items()}
+      flat = leaves_lib.to_global(flat)
     return flat, digests.parts(flat, meta["leaves"], group.primary)
 
   try:
