@@ -76,43 +76,40 @@ def to_global(flat: dict) -> dict:
           and v.is_fully_addressable else v for k, v in flat.items()}
 
 
-def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
-                   saved_sharding: Callable[[], Any]) -> Any:
-  """What orbax restores `leaf` from: its shape, dtype and sharding. A
-  `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
-  where that is None, `replicated()`."""
-  if isinstance(leaf, np.generic):
-    return np.asarray(leaf)
+def restore_plan(leaf: Any, kind: Optional[str], saved_dtype: str,
+                 saved_sharding: Callable[[], Any]) -> tuple[Any, Callable]:
+  """`(target, back)`: what orbax restores template `leaf` from (shape,
+  dtype, sharding), and `back(restored)`, a leaf of `leaf`'s kind. A
+  `ShapeDtypeStruct` without a sharding comes back as saved: a host value
+  as such, an array with `saved_sharding()` or else `replicated()`."""
   if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
-    if kind is not None:
-      return np.zeros(leaf.shape, np.dtype(saved_dtype))  # Back as saved.
-    struct = lambda s: jax.ShapeDtypeStruct(
-        leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
-    try:
-      return struct(saved_sharding() or replicated())
-    except ValueError:  # Saved for another rank (orbax pads scalars' specs).
-      return struct(replicated())
-  if isinstance(leaf, jax.Array):
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-  return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
+    if kind is None:
+      struct = lambda s: jax.ShapeDtypeStruct(
+          leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
+      try:
+        return (struct(saved_sharding() or replicated()),
+                functools.partial(_array_like, leaf))
+      except ValueError:  # Saved for another rank (orbax pads scalars' specs).
+        return struct(replicated()), functools.partial(_array_like, leaf)
+    zeros = np.zeros(leaf.shape, np.dtype(saved_dtype))
+    leaf = {"ndarray": zeros, "generic": zeros[()], "bool": False, "int": 0,
+            "float": 0.}[kind]
+  if isinstance(leaf, _NUMBERS):
+    return leaf, lambda restored: type(leaf)(np.asarray(restored).item())
+  if isinstance(leaf, (np.generic, np.ndarray)):
+    return np.asarray(leaf), lambda restored: (
+        np.asarray(restored)[()] if isinstance(leaf, np.generic)
+        else np.asarray(restored))
+  return (jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+          if isinstance(leaf, jax.Array) else leaf,
+          functools.partial(_array_like, leaf))
 
 
-def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
-  """The restored leaf, of the kind the template leaf is."""
-  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
-      and kind is not None):  # Back as saved.
-    template = {"ndarray": np.zeros(0), "generic": np.float32(0),
-                "bool": False, "int": 0, "float": 0.}[kind]
-  if isinstance(template, _NUMBERS):
-    return type(template)(np.asarray(restored).item())
-  if isinstance(template, (np.generic, np.ndarray)):
-    value = np.asarray(restored)
-    return value[()] if isinstance(template, np.generic) else value
-  sharding = getattr(template, "sharding", None)
+def _array_like(template: Any, restored: Any) -> jax.Array:
+  """The restored array, placed and typed as the template's."""
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
-    restored = jnp.asarray(restored, template.dtype)
-    if sharding is not None:
-      restored = jax.device_put(restored, sharding)
+    restored = jax.device_put(jnp.asarray(restored, template.dtype),
+                              getattr(template, "sharding", None))
   if (isinstance(template, jax.Array) and not template.committed
       and jax.device_count() > 1):  # Free, as a fresh array, to join others.
     restored = jax.random.wrap_key_data(

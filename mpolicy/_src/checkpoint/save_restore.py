@@ -50,20 +50,18 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
                     overwrite: bool = False) -> None:
   """Saves `tree` (params, optimizer state, loss scale, keys...) with orbax.
 
-  Any pytree of concrete arrays (every dtype, typed PRNG keys, sharded:
-  each device writes its shards) and numbers; loss scales keep their
-  settings, every leaf its checksum. orbax commits the checkpoint beside
-  `path` and it is renamed into place: of saves racing for one path one
-  wins (the others raise), a failed save leaves nothing, and a checkpoint
-  being replaced (`overwrite=True`) stays where `restore_checkpoint` finds
-  it until the new one is in place. With `jax.distributed` every process
-  calls it alike; leaves each holds whole (numpy, numbers, arrays made
-  outside `jit`) must be equal on all; an error on one is raised on all.
+  Any pytree of concrete arrays (any dtype, typed PRNG keys, sharded ones
+  shard by shard) and numbers; loss scales keep their settings, each leaf
+  gets a checksum. The checkpoint is committed beside `path`, then renamed
+  into place: of racing saves one wins, a failed save leaves nothing, and
+  a replaced checkpoint (`overwrite=True`) is found until the new one is
+  in. With `jax.distributed` every process calls it alike (leaves each
+  holds whole must be equal on all); an error on one is raised on all.
 
   Raises `FileExistsError` (`path` exists, `overwrite` False), `TypeError`
   (not a path; a leaf neither array nor number, or traced inside `jit`),
-  `ValueError` (a URL such as `gs://...`; processes that disagree, naming
-  the leaf), `OSError` (processes that do not share the file system) or
+  `ValueError` (a URL such as `gs://...`; processes that disagree),
+  `OSError` (processes that do not share the file system) or
   `TimeoutError` (a process did not call within five minutes).
 
   >>> import os, tempfile, jax.numpy as jnp, mpolicy
@@ -147,14 +145,12 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
 
   `template` is a pytree like the one saved (fresh state, or
   `jax.eval_shape` of its initializer with `sharding` set where leaves
-  should go); leaves come back with its dtypes and shardings, so resuming
-  repeats a run that never stopped bit for bit. Structure, shapes, dtypes,
-  loss-scale settings and every leaf's checksum are checked. The devices
-  may differ from the save's. A template leaf without a sharding comes
-  back as saved (a numpy value or number as such, an array with its saved
-  sharding, or replicated where those devices are gone). If a save
-  replacing `path` stopped before the new checkpoint was in place, the old
-  one is read. With `jax.distributed`, every process calls it.
+  should go); leaves come back with its dtypes and shardings (the devices
+  may differ from the save's), so resuming is bit for bit. Structure,
+  shapes, dtypes, loss-scale settings and checksums are checked. A leaf
+  without a sharding comes back as saved (numpy values and numbers as
+  such, arrays with their saved sharding, or replicated where those
+  devices are gone). With `jax.distributed`, every process calls it.
 
   Raises `TypeError` (not a path; `template` None), `FileNotFoundError`,
   `ValueError` (a URL; not an mpolicy checkpoint; damaged, naming a leaf
@@ -178,11 +174,13 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   shardings = functools.cache(lambda: disk.saved_shardings(src))  # If needed.
 
   def read():
-    out = disk.read(src, group, what, {k: leaves_lib.restore_target(
-        v, kinds.get(k), saved[k][0], lambda k=k: shardings().get(k))
-                                        for k, v in flat.items()})
-    out = {k: out[k] for k in flat}
-    return out, digests.parts(out, saved, group.primary)
+    plans = {k: leaves_lib.restore_plan(v, kinds.get(k), saved[k][0],
+                                        lambda k=k: shardings().get(k))
+             for k, v in flat.items()}
+    out = disk.read(src, group, what, {k: p[0] for k, p in plans.items()})
+    out = {k: out[k] for k in flat}  # Checked as read, then made leaves.
+    return ({k: (v, plans[k][1]) for k, v in out.items()},
+            digests.parts(out, saved, group.primary))
 
   (restored, parts), sums = group.step(read), meta.get("digests", {})
   bad = [k for k, v in digests.totals(flat, parts).items()
@@ -193,8 +191,7 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
         "checksum saved with it: the checkpoint is damaged (its data "
         "changed after it was written). Restore an earlier checkpoint.")
   return jax.tree_util.tree_unflatten(treedef, [
-      leaves_lib.restored_like(flat[k], v, kinds.get(k))
-      for k, v in restored.items()])
+      back(value) for value, back in restored.values()])
 
 
 _STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
