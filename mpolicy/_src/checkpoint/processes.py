@@ -1,12 +1,11 @@
-"""The steps that the processes of a `jax.distributed` run take together.
+"""The steps that the processes of a `jax.distributed` run take together:
+in `Processes.step` each does its part and posts to the key-value store of
+`jax.distributed` whether it failed and what the others need to see. If
+one failed, all raise (none goes on alone into a write or a barrier); one
+that does not post within `TIMEOUT_S` makes the others raise
+`TimeoutError`. Calls are matched by their order."""
 
-In `Processes.step` every process does its part and posts, to
-`jax.distributed`'s key-value store, whether it failed and what the others
-need to see. If one failed, all raise (none goes on alone into a write or
-a barrier); one that does not post within `TIMEOUT_S` makes the others
-raise `TimeoutError`. Calls are matched by their order. In one process a
-step just runs."""
-
+import contextlib
 import itertools
 import json
 from typing import Any, Callable
@@ -41,10 +40,9 @@ class Processes:
     if self._client is not None:
       self._call = next(_calls)
       self.tag = f"mpolicy_{self._call}"
-      try:  # Every process has left call - 2: its keys can go.
+      # Every process has left call - 2: its keys can go (if still there).
+      with contextlib.suppress(Exception):
         self._client.key_value_delete(f"mpolicy/{self._call - 2}")
-      except Exception:  # pylint: disable=broad-except
-        pass  # None, or another process deleted them first.
 
   def step(self, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list]:
     """Runs `work` (giving `(result, shared)`, `shared` JSON) and returns

@@ -116,30 +116,6 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
       shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _open(path_arg: Any, template: Any, group, what: str):
-  """The checkpoint's directory, the template's leaves, and the meta."""
-  path = disk.local_path(path_arg, what)
-  if template is None:
-    raise TypeError(
-        f"{what}: template is None; pass a pytree like the one saved: the "
-        "state itself (freshly initialized), or jax.eval_shape of its "
-        "initializer (with shardings on its ShapeDtypeStructs to place the "
-        "leaves). The restored state takes its structure, dtypes and "
-        "shardings from it.")
-  src = disk.locate(path)
-  if src is None:
-    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
-  if not os.path.isdir(src):
-    hint = (" It looks like an .npz file, which numpy.load reads."
-            if path.endswith(".npz") else "")
-    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
-                     f"(a directory written by save_checkpoint).{hint}")
-  flat, described, treedef = leaves_lib.flatten(template, what)
-  meta = disk.read(src, group, what)
-  leaves_lib.check(meta, path, template, flat, described, what)
-  return (src, flat, treedef, meta), None
-
-
 def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   """Loads a `save_checkpoint` checkpoint into the structure of `template`.
 
@@ -168,8 +144,30 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   """
   what = "restore_checkpoint"
   group = processes.Processes(what)
-  (src, flat, treedef, meta), _ = group.step(
-      lambda: _open(path, template, group, what))
+
+  def open_():
+    dest = disk.local_path(path, what)
+    if template is None:
+      raise TypeError(
+          f"{what}: template is None; pass a pytree like the one saved: the "
+          "state itself (freshly initialized), or jax.eval_shape of its "
+          "initializer (with shardings on its ShapeDtypeStructs to place the "
+          "leaves). The restored state takes its structure, dtypes and "
+          "shardings from it.")
+    src = disk.locate(dest)
+    if src is None:
+      raise FileNotFoundError(f"{what}: no checkpoint at {dest}.")
+    if not os.path.isdir(src):
+      hint = (" It looks like an .npz file, which numpy.load reads."
+              if dest.endswith(".npz") else "")
+      raise ValueError(f"{what}: {dest} is a file, not an mpolicy checkpoint "
+                       f"(a directory written by save_checkpoint).{hint}")
+    flat, described, treedef = leaves_lib.flatten(template, what)
+    meta = disk.read(src, group, what)
+    leaves_lib.check(meta, dest, template, flat, described, what)
+    return (src, flat, treedef, meta), None
+
+  (src, flat, treedef, meta), _ = group.step(open_)
   kinds, saved = meta.get("host_values", {}), meta["leaves"]
   shardings = functools.cache(lambda: disk.saved_shardings(src))  # If needed.
 
