@@ -232,11 +232,10 @@ class CheckpointManager:
     if not isinstance(directory, (str, os.PathLike)):
       raise TypeError("CheckpointManager: directory must be a path (a str or "
                       f"an os.PathLike), got {type(directory).__name__}.")
-    if max_to_keep is not None:
-      max_to_keep = _whole(max_to_keep, 1, "CheckpointManager: max_to_keep",
-                           ", or None to keep every step")
+    self.max_to_keep = max_to_keep if max_to_keep is None else _whole(
+        max_to_keep, 1, "CheckpointManager: max_to_keep",
+        ", or None to keep every step")
     self.directory = disk.local_path(directory, "CheckpointManager")
-    self.max_to_keep = max_to_keep
 
   def path(self, step: int) -> str:
     """The directory of `step`'s checkpoint."""
