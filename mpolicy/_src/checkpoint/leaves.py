@@ -82,27 +82,27 @@ def restore_plan(leaf: Any, kind: Optional[str], saved_dtype: str,
   dtype, sharding), and `back(restored)`, a leaf of `leaf`'s kind. A
   `ShapeDtypeStruct` without a sharding comes back as saved: a host value
   as such, an array with `saved_sharding()` or else `replicated()`."""
+  back = functools.partial(_array_like, leaf)
   if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
     if kind is None:
       struct = lambda s: jax.ShapeDtypeStruct(
           leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
       try:
-        return (struct(saved_sharding() or replicated()),
-                functools.partial(_array_like, leaf))
+        return struct(saved_sharding() or replicated()), back
       except ValueError:  # Saved for another rank (orbax pads scalars' specs).
-        return struct(replicated()), functools.partial(_array_like, leaf)
+        return struct(replicated()), back
     zeros = np.zeros(leaf.shape, np.dtype(saved_dtype))
     leaf = {"ndarray": zeros, "generic": zeros[()], "bool": False, "int": 0,
             "float": 0.}[kind]
   if isinstance(leaf, _NUMBERS):
     return leaf, lambda restored: type(leaf)(np.asarray(restored).item())
   if isinstance(leaf, (np.generic, np.ndarray)):
-    return np.asarray(leaf), lambda restored: (
-        np.asarray(restored)[()] if isinstance(leaf, np.generic)
-        else np.asarray(restored))
-  return (jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-          if isinstance(leaf, jax.Array) else leaf,
-          functools.partial(_array_like, leaf))
+    scalar = isinstance(leaf, np.generic)
+    return np.asarray(leaf), lambda r: np.asarray(r)[()] if scalar else (
+        np.asarray(r))
+  if isinstance(leaf, jax.Array):
+    leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+  return leaf, back
 
 
 def _array_like(template: Any, restored: Any) -> jax.Array:
