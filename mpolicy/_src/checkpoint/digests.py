@@ -60,6 +60,12 @@ def part(leaf: Any, dtype: Optional[str], primary: bool) -> int:
              for s in leaf.addressable_shards if s.replica_id == 0) % 2 ** 64
 
 
-def total(parts: Iterable[Any]) -> str:
-  """The checksum, from every process's part."""
-  return f"{sum(int(p) for p in parts) % 2 ** 64:016x}"
+def parts(flat: dict, described: dict, primary: bool) -> list[str]:
+  """`part` of each leaf (as str, for JSON), its dtype `described[key][0]`."""
+  return [str(part(v, described[k][0], primary)) for k, v in flat.items()]
+
+
+def totals(keys: Iterable[str], posts: list[list[str]]) -> dict[str, str]:
+  """Each leaf's checksum, from every process's `parts`."""
+  return {k: f"{sum(int(p[i]) for p in posts) % 2 ** 64:016x}"
+          for i, k in enumerate(keys)}

@@ -1,9 +1,9 @@
-"""A checkpoint on disk. orbax's `Checkpointer` writes and atomically
-commits `state` (leaves by `keystr`) and `meta` (JSON) in a scratch
-directory beside the path; `place` renames it to the path, first moving a
-replaced checkpoint to `old_path`, where `locate` finds it if the process
-dies in between. Across processes orbax's barriers are the coordination
-service's, with a timeout; each process reads what its devices hold."""
+"""A checkpoint on disk: orbax's `Checkpointer` writes and commits `state`
+(leaves by `keystr`) and `meta` (JSON) in a scratch directory beside the
+path; `place` renames it to the path, first moving a replaced checkpoint to
+`old_path`, where `locate` finds it if the process dies in between. Across
+processes orbax's barriers are the coordination service's, with a timeout;
+each process reads what its devices hold."""
 
 import contextlib
 import gc
@@ -82,14 +82,13 @@ def _checkpointer(group, *, alone: bool):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if group.count == 1:
     return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  options = ocp.options.MultiprocessingOptions(
+  mp = {"multiprocessing_options": ocp.options.MultiprocessingOptions(
       primary_host=0, barrier_sync_key_prefix=group.tag,
-      active_processes={group.index} if alone else set(range(group.count)))
+      active_processes={group.index} if alone else set(range(group.count)))}
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-      state=ocp.StandardCheckpointHandler(multiprocessing_options=options),
-      meta=ocp.JsonCheckpointHandler(multiprocessing_options=options),
-      composite_options=ocp.CompositeOptions(multiprocessing_options=options)),
-                               multiprocessing_options=options)
+      state=ocp.StandardCheckpointHandler(**mp),
+      meta=ocp.JsonCheckpointHandler(**mp),
+      composite_options=ocp.CompositeOptions(**mp)), **mp)
 
 
 def write(path: str, flat: dict, meta: dict, group) -> None:
@@ -103,19 +102,18 @@ def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
   """The metadata at `path`, or with `target` the arrays, each restored to
   its sharding; a `ValueError` saying what could not be read."""
   ocp, checkpointer = _checkpointer(group, alone=True)
+  name, args = (("meta", ocp.args.JsonRestore()) if target is None else
+                ("state", ocp.args.StandardRestore(target)))
   with _LOCK, _quiet(), checkpointer:
     try:  # orbax raises many kinds of errors; one is documented.
-      if target is None:
-        return checkpointer.restore(path, ocp.args.Composite(
-            meta=ocp.args.JsonRestore())).meta
-      return checkpointer.restore(path, ocp.args.Composite(
-          state=ocp.args.StandardRestore(target))).state
+      restored = checkpointer.restore(path, ocp.args.Composite(**{name: args}))
+      return restored[name]
     except Exception as e:  # pylint: disable=broad-except
       failure = e
     error = failure  # Drop its frames, then collect what only they held.
     while error is not None:
       error.__traceback__, error = None, error.__cause__ or error.__context__
-    for _ in range(4) if target is not None else ():  # Let the reads in flight finish.
+    for _ in range(4) if target is not None else ():  # Let reads in flight end.
       time.sleep(0.05)
       gc.collect()
   raise ValueError(
@@ -129,11 +127,9 @@ def saved_shardings(path: str) -> dict[str, Any]:
   """Each array's sharding as saved, where it spans devices of every
   process there are now (else None)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  handler, out = ocp.StandardCheckpointHandler(), {}
-  try:
+  out = {}
+  with contextlib.closing(ocp.StandardCheckpointHandler()) as handler:
     tree = handler.metadata(pathlib.Path(path) / "state").tree
-  finally:
-    handler.close()
   for key, leaf in tree.items():
     try:  # None saved, or its devices are gone: None.
       sharding = leaf.sharding.to_jax_sharding()
@@ -151,11 +147,8 @@ def _quiet():
   never awaited, each printing a traceback (often at exit)."""
   logger, previous = logging.getLogger("asyncio"), sys.unraisablehook
   unretrieved = lambda r: "exception was never retrieved" not in r.getMessage()
-
-  def hook(unraisable):
-    if "Event loop is closed" not in str(unraisable.exc_value):
-      previous(unraisable)
-
+  hook = lambda u: None if "Event loop is closed" in str(u.exc_value) else (
+      previous(u))
   logger.addFilter(unretrieved)
   sys.unraisablehook = hook
   try:

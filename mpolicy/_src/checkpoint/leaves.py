@@ -1,9 +1,7 @@
-"""What a checkpoint holds: leaves (JAX arrays, typed keys included; numpy
-values and Python numbers, host values that a `jax.eval_shape` template
-gets back as saved; in a template `jax.ShapeDtypeStruct`s) and metadata
-(each leaf's dtype and shape, which were host values, checksums, and the
-loss scales' settings, which flattening drops), checked against a
-template."""
+"""What a checkpoint holds, checked against a template: leaves (JAX arrays,
+typed keys included, numpy values and Python numbers; in a template also
+`jax.ShapeDtypeStruct`s) and metadata (each leaf's dtype and shape, which
+leaves were host values, checksums, and the loss scales' settings)."""
 
 import functools
 from typing import Any, Callable, Optional
@@ -68,53 +66,50 @@ def replicated() -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def to_global(leaf: jax.Array) -> jax.Array:
-  """A leaf each process holds whole, as one array on every device (so
-  that orbax writes it once)."""
-  sharding = replicated()
-  mine = [d for d in sharding.mesh.devices.flat
+def to_global(flat: dict) -> dict:
+  """`flat` with each array that each process holds whole made one array
+  on every device (so that orbax writes it once)."""
+  mine = [d for d in replicated().mesh.devices.flat
           if d.process_index == jax.process_index()]  # In the mesh's order.
-  shards = [jax.device_put(leaf, d) for d in mine]
-  return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
+  return {k: jax.make_array_from_single_device_arrays(v.shape, replicated(), [
+      jax.device_put(v, d) for d in mine]) if isinstance(v, jax.Array)
+          and v.is_fully_addressable else v for k, v in flat.items()}
 
 
-def restore_target(leaf: Any, kind: Optional[str], saved_dtype: str,
-                   saved_sharding: Callable[[], Any]) -> Any:
-  """What orbax restores `leaf` from: its shape, dtype and sharding. A
-  `ShapeDtypeStruct` without a sharding gets `saved_sharding()`, or,
-  where that is None, `replicated()`."""
-  if isinstance(leaf, np.generic):
-    return np.asarray(leaf)
+def restore_plan(leaf: Any, kind: Optional[str], saved_dtype: str,
+                 saved_sharding: Callable[[], Any]) -> tuple[Any, Callable]:
+  """`(target, back)`: what orbax restores template `leaf` from (shape,
+  dtype, sharding), and `back(restored)`, a leaf of `leaf`'s kind. A
+  `ShapeDtypeStruct` without a sharding comes back as saved: a host value
+  as such, an array with `saved_sharding()` or else `replicated()`."""
+  back = functools.partial(_array_like, leaf)
   if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
-    if kind is not None:
-      return np.zeros(leaf.shape, np.dtype(saved_dtype))  # Back as saved.
-    struct = lambda s: jax.ShapeDtypeStruct(
-        leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
-    try:
-      return struct(saved_sharding() or replicated())
-    except ValueError:  # Saved for another rank (orbax pads scalars' specs).
-      return struct(replicated())
+    if kind is None:
+      struct = lambda s: jax.ShapeDtypeStruct(
+          leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
+      try:
+        return struct(saved_sharding() or replicated()), back
+      except ValueError:  # Saved for another rank (orbax pads scalars' specs).
+        return struct(replicated()), back
+    zeros = np.zeros(leaf.shape, np.dtype(saved_dtype))
+    leaf = {"ndarray": zeros, "generic": zeros[()], "bool": False, "int": 0,
+            "float": 0.}[kind]
+  if isinstance(leaf, _NUMBERS):
+    return leaf, lambda restored: type(leaf)(np.asarray(restored).item())
+  if isinstance(leaf, (np.generic, np.ndarray)):
+    scalar = isinstance(leaf, np.generic)
+    return np.asarray(leaf), lambda r: np.asarray(r)[()] if scalar else (
+        np.asarray(r))
   if isinstance(leaf, jax.Array):
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-  return leaf  # ShapeDtypeStruct, numpy arrays and numbers restore as such.
+    leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+  return leaf, back
 
 
-def restored_like(template: Any, restored: Any, kind: Optional[str]) -> Any:
-  """The restored leaf, of the kind the template leaf is."""
-  if (isinstance(template, jax.ShapeDtypeStruct) and template.sharding is None
-      and kind is not None):  # Back as saved.
-    template = {"ndarray": np.zeros(0), "generic": np.float32(0),
-                "bool": False, "int": 0, "float": 0.}[kind]
-  if isinstance(template, _NUMBERS):
-    return type(template)(np.asarray(restored).item())
-  if isinstance(template, (np.generic, np.ndarray)):
-    value = np.asarray(restored)
-    return value[()] if isinstance(template, np.generic) else value
-  sharding = getattr(template, "sharding", None)
+def _array_like(template: Any, restored: Any) -> jax.Array:
+  """The restored array, placed and typed as the template's."""
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
-    restored = jnp.asarray(restored, template.dtype)
-    if sharding is not None:
-      restored = jax.device_put(restored, sharding)
+    restored = jax.device_put(jnp.asarray(restored, template.dtype),
+                              getattr(template, "sharding", None))
   if (isinstance(template, jax.Array) and not template.committed
       and jax.device_count() > 1):  # Free, as a fresh array, to join others.
     restored = jax.random.wrap_key_data(
@@ -139,7 +134,8 @@ _SETTINGS = {
 
 
 def settings(tree: Any) -> dict[str, dict[str, Any]]:
-  """`{keystr: {"type": name, setting: value}}` for each loss scale."""
+  """`{keystr: {"type": name, setting: value}}` for each loss scale, whose
+  settings flattening drops."""
   is_ls = lambda x: type(x) in _SETTINGS
   nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_ls)[0]
   return {jax.tree_util.keystr(path): dict(type=type(node).__name__, **{

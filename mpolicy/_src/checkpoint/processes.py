@@ -1,13 +1,11 @@
-"""The steps that the processes of a `jax.distributed` run take together.
+"""The steps that the processes of a `jax.distributed` run take together:
+in `Processes.step` each does its part and posts to the key-value store of
+`jax.distributed` whether it failed and what the others need to see. If
+one failed, all raise (none goes on alone into a write or a barrier); one
+that does not post within `TIMEOUT_S` makes the others raise
+`TimeoutError`. Calls are matched by their order."""
 
-In `Processes.step` every process does its part and posts, to
-`jax.distributed`'s key-value store, whether it failed and what the others
-need to see. If one failed, all raise (none goes on alone into a write or
-a barrier); one that does not post within `TIMEOUT_S` makes the others
-raise `TimeoutError`. Calls are matched by their order. In one process a
-step just runs.
-"""
-
+import contextlib
 import itertools
 import json
 from typing import Any, Callable
@@ -42,10 +40,9 @@ class Processes:
     if self._client is not None:
       self._call = next(_calls)
       self.tag = f"mpolicy_{self._call}"
-      try:  # Every process has left call - 2: its keys can go.
+      # Every process has left call - 2: its keys can go (if still there).
+      with contextlib.suppress(Exception):
         self._client.key_value_delete(f"mpolicy/{self._call - 2}")
-      except Exception:  # pylint: disable=broad-except
-        pass  # None, or another process deleted them first.
 
   def step(self, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list]:
     """Runs `work` (giving `(result, shared)`, `shared` JSON) and returns
@@ -58,8 +55,13 @@ class Processes:
       (result, shared), error = work(), None
     except Exception as e:  # pylint: disable=broad-except
       result, shared, error = None, None, e
-    posts = self._exchange({"error": error and [type(error).__name__,
-                                                str(error)], "shared": shared})
+    key, self._round = f"mpolicy/{self._call}/{self._round}", self._round + 1
+    text = json.dumps({"error": error and [type(error).__name__, str(error)],
+                       "shared": shared})
+    self._client.key_value_set(f"{key}/{self.index}", text)
+    # Its own post too read back from JSON, as the others'.
+    posts = [json.loads(text if i == self.index else self._get(f"{key}/{i}"))
+             for i in range(self.count)]
     if error is not None:
       raise error
     for i, post in enumerate(posts):
@@ -70,20 +72,11 @@ class Processes:
             "process stopped]")
     return result, [post["shared"] for post in posts]
 
-  def _exchange(self, post: dict) -> list[dict]:
-    key = f"mpolicy/{self._call}/{self._round}"
-    self._round += 1
-    text = json.dumps(post)
-    self._client.key_value_set(f"{key}/{self.index}", text)
-    posts = []
-    for i in range(self.count):
-      try:  # Its own post too read back from JSON, as the others'.
-        posts.append(json.loads(text if i == self.index else
-                                self._client.blocking_key_value_get(
-                                    f"{key}/{i}", TIMEOUT_S * 1000)))
-      except Exception as e:  # pylint: disable=broad-except
-        raise TimeoutError(
-            f"{self.what}: process {i} of {self.count} did not reach this "
-            f"step within {TIMEOUT_S} s ({e}). Every process must make the "
-            "same calls, in the same order.") from e
-    return posts
+  def _get(self, key: str) -> str:
+    try:
+      return self._client.blocking_key_value_get(key, TIMEOUT_S * 1000)
+    except Exception as e:  # pylint: disable=broad-except
+      raise TimeoutError(
+          f"{self.what}: process {key.rsplit('/', 1)[1]} of {self.count} did "
+          f"not reach this step within {TIMEOUT_S} s ({e}). Every process "
+          "must make the same calls, in the same order.") from e

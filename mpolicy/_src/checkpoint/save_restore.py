@@ -1,11 +1,14 @@
-"""`save_checkpoint` (checks, agreement across processes, checksums, orbax's
-commit, the rename into place) and `restore_checkpoint` (the template
-checked against the metadata, the arrays read, every checksum checked)."""
+"""`save_checkpoint`, `restore_checkpoint` and `CheckpointManager`:
+mpolicy's checks, agreement across processes and checksums around orbax's
+write and read, and the last few steps of a training loop."""
 
+import functools
 import itertools
+import numbers
 import os
+import re
 import shutil
-from typing import Any
+from typing import Any, Optional
 import zlib
 
 import jax
@@ -47,20 +50,18 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
                     overwrite: bool = False) -> None:
   """Saves `tree` (params, optimizer state, loss scale, keys...) with orbax.
 
-  Any pytree of concrete arrays (every dtype, typed PRNG keys, sharded:
-  each device writes its shards) and numbers; loss scales keep their
-  settings, every leaf its checksum. orbax commits the checkpoint beside
-  `path` and it is renamed into place: of saves racing for one path one
-  wins (the others raise), a failed save leaves nothing, and a checkpoint
-  being replaced (`overwrite=True`) stays where `restore_checkpoint` finds
-  it until the new one is in place. With `jax.distributed` every process
-  calls it alike; leaves each holds whole (numpy, numbers, arrays made
-  outside `jit`) must be equal on all; an error on one is raised on all.
+  Any pytree of concrete arrays (any dtype, typed PRNG keys, sharded ones
+  shard by shard) and numbers; loss scales keep their settings, each leaf
+  gets a checksum. The checkpoint is committed beside `path`, then renamed
+  into place: of racing saves one wins, a failed save leaves nothing, and
+  a replaced checkpoint (`overwrite=True`) is found until the new one is
+  in. With `jax.distributed` every process calls it alike (leaves each
+  holds whole must be equal on all); an error on one is raised on all.
 
   Raises `FileExistsError` (`path` exists, `overwrite` False), `TypeError`
   (not a path; a leaf neither array nor number, or traced inside `jit`),
-  `ValueError` (a URL such as `gs://...`; processes that disagree, naming
-  the leaf), `OSError` (processes that do not share the file system) or
+  `ValueError` (a URL such as `gs://...`; processes that disagree),
+  `OSError` (processes that do not share the file system) or
   `TimeoutError` (a process did not call within five minutes).
 
   >>> import os, tempfile, jax.numpy as jnp, mpolicy
@@ -80,13 +81,12 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
   def prepare():
     dest = disk.local_path(path, what)
     flat, described, _ = leaves_lib.flatten(tree, what)
-    whole = lambda v: (v.is_fully_addressable if isinstance(v, jax.Array)
-                       else leaves_lib.host_kind(v))
+    whole = {k: v for k, v in flat.items() if group.count > 1 and (
+        v.is_fully_addressable if isinstance(v, jax.Array)
+        else leaves_lib.host_kind(v))}
     shared = {"path": dest, "leaves": [zlib.crc32(repr(d).encode())
                                        for d in described.items()],
-              "whole": {k: str(digests.part(v, described[k][0], True))
-                        for k, v in flat.items()
-                        if group.count > 1 and whole(v)}}
+              "whole": dict(zip(whole, digests.parts(whole, described, True)))}
     if group.primary:
       made.append(disk.scratch(dest, overwrite, what))
       shared["scratch"] = made[0]
@@ -100,16 +100,13 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
                     "checkpoint's path: every process must save to one "
                     "directory on a file system they all share.")
     if group.count > 1:  # One array on every device, written once.
-      flat = {k: leaves_lib.to_global(v) if isinstance(v, jax.Array)
-                 and v.is_fully_addressable else v for k, v in flat.items()}
-    return flat, [str(digests.part(v, meta["leaves"][k][0], group.primary))
-                  for k, v in flat.items()]
+      flat = leaves_lib.to_global(flat)
+    return flat, digests.parts(flat, meta["leaves"], group.primary)
 
   try:
     (dest, flat, meta), shared = group.step(prepare)
     flat, parts = group.step(lambda: check(flat, shared, meta))
-    meta["digests"] = {k: digests.total(p[i] for p in parts)
-                       for i, k in enumerate(flat)}
+    meta["digests"] = digests.totals(flat, parts)
     staged = os.path.join(shared[0]["scratch"], "checkpoint")
     disk.write(staged, flat, meta, group)
     group.step(lambda: (disk.place(staged, dest, overwrite, what)
@@ -119,43 +116,17 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
       shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _open(path_arg: Any, template: Any, group, what: str):
-  """The checkpoint's directory, the template's leaves, and the meta."""
-  path = disk.local_path(path_arg, what)
-  if template is None:
-    raise TypeError(
-        f"{what}: template is None; pass a pytree like the one saved: the "
-        "state itself (freshly initialized), or jax.eval_shape of its "
-        "initializer (with shardings on its ShapeDtypeStructs to place the "
-        "leaves). The restored state takes its structure, dtypes and "
-        "shardings from it.")
-  src = disk.locate(path)
-  if src is None:
-    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
-  if not os.path.isdir(src):
-    hint = (" It looks like an .npz file, which numpy.load reads."
-            if path.endswith(".npz") else "")
-    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
-                     f"(a directory written by save_checkpoint).{hint}")
-  flat, described, treedef = leaves_lib.flatten(template, what)
-  meta = disk.read(src, group, what)
-  leaves_lib.check(meta, path, template, flat, described, what)
-  return (src, flat, treedef, meta), None
-
-
 def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   """Loads a `save_checkpoint` checkpoint into the structure of `template`.
 
   `template` is a pytree like the one saved (fresh state, or
   `jax.eval_shape` of its initializer with `sharding` set where leaves
-  should go); leaves come back with its dtypes and shardings, so resuming
-  repeats a run that never stopped bit for bit. Structure, shapes, dtypes,
-  loss-scale settings and every leaf's checksum are checked. The devices
-  may differ from the save's. A template leaf without a sharding comes
-  back as saved (a numpy value or number as such, an array with its saved
-  sharding, or replicated where those devices are gone). If a save
-  replacing `path` stopped before the new checkpoint was in place, the old
-  one is read. With `jax.distributed`, every process calls it.
+  should go); leaves come back with its dtypes and shardings (the devices
+  may differ from the save's), so resuming is bit for bit. Structure,
+  shapes, dtypes, loss-scale settings and checksums are checked. A leaf
+  without a sharding comes back as saved (numpy values and numbers as
+  such, arrays with their saved sharding, or replicated where those
+  devices are gone). With `jax.distributed`, every process calls it.
 
   Raises `TypeError` (not a path; `template` None), `FileNotFoundError`,
   `ValueError` (a URL; not an mpolicy checkpoint; damaged, naming a leaf
@@ -173,31 +144,140 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   """
   what = "restore_checkpoint"
   group = processes.Processes(what)
-  (src, flat, treedef, meta), _ = group.step(
-      lambda: _open(path, template, group, what))
-  kinds, saved, shardings = meta.get("host_values", {}), meta["leaves"], []
 
-  def saved_sharding(key):  # Read once, if a leaf needs them.
-    shardings[:] = shardings or [disk.saved_shardings(src)]
-    return shardings[0].get(key)
+  def open_():
+    dest = disk.local_path(path, what)
+    if template is None:
+      raise TypeError(
+          f"{what}: template is None; pass a pytree like the one saved: the "
+          "state itself (freshly initialized), or jax.eval_shape of its "
+          "initializer (with shardings on its ShapeDtypeStructs to place the "
+          "leaves). The restored state takes its structure, dtypes and "
+          "shardings from it.")
+    src = disk.locate(dest)
+    if src is None:
+      raise FileNotFoundError(f"{what}: no checkpoint at {dest}.")
+    if not os.path.isdir(src):
+      hint = (" It looks like an .npz file, which numpy.load reads."
+              if dest.endswith(".npz") else "")
+      raise ValueError(f"{what}: {dest} is a file, not an mpolicy checkpoint "
+                       f"(a directory written by save_checkpoint).{hint}")
+    flat, described, treedef = leaves_lib.flatten(template, what)
+    meta = disk.read(src, group, what)
+    leaves_lib.check(meta, dest, template, flat, described, what)
+    return (src, flat, treedef, meta), None
+
+  (src, flat, treedef, meta), _ = group.step(open_)
+  kinds, saved = meta.get("host_values", {}), meta["leaves"]
+  shardings = functools.cache(lambda: disk.saved_shardings(src))  # If needed.
 
   def read():
-    target = {k: leaves_lib.restore_target(
-        v, kinds.get(k), saved[k][0], lambda k=k: saved_sharding(k))
-              for k, v in flat.items()}
-    out = disk.read(src, group, what, target)
-    return out, [str(digests.part(out[k], saved[k][0], group.primary))
-                 for k in flat]
+    plans = {k: leaves_lib.restore_plan(v, kinds.get(k), saved[k][0],
+                                        lambda k=k: shardings().get(k))
+             for k, v in flat.items()}
+    out = disk.read(src, group, what, {k: p[0] for k, p in plans.items()})
+    out = {k: out[k] for k in flat}  # Checked as read, then made leaves.
+    return ({k: (v, plans[k][1]) for k, v in out.items()},
+            digests.parts(out, saved, group.primary))
 
-  restored, parts = group.step(read)
-  sums = meta.get("digests", {})  # None before version 3.
-  bad = [k for i, k in enumerate(flat)
-         if k in sums and digests.total(p[i] for p in parts) != sums[k]]
+  (restored, parts), sums = group.step(read), meta.get("digests", {})
+  bad = [k for k, v in digests.totals(flat, parts).items()
+         if k in sums and v != sums[k]]  # None before version 3.
   if bad:  # The same on every process.
     raise ValueError(
         f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
         "checksum saved with it: the checkpoint is damaged (its data "
         "changed after it was written). Restore an earlier checkpoint.")
   return jax.tree_util.tree_unflatten(treedef, [
-      leaves_lib.restored_like(flat[k], restored[k], kinds.get(k))
-      for k in flat])
+      back(value) for value, back in restored.values()])
+
+
+_STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
+
+
+def _whole(value: Any, least: int, what: str, more: str = "") -> int:
+  """`value` as an int >= `least`, or an error naming `what`."""
+  error = f"{what} must be a whole number >= {least}{more}; got {value!r}."
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(error)
+  if value < least:
+    raise ValueError(error)
+  return int(value)
+
+
+class CheckpointManager:
+  """Saves a training loop's state every few steps and keeps the last ones.
+
+  `save(step, state)` writes `<directory>/step_<step>` with
+  `save_checkpoint` and removes the oldest beyond `max_to_keep` (None: keep
+  all), renamed to a hidden name first so that no listing shows a step half
+  deleted (orbax's `CheckpointManager` deletes in place); `restore(template)`
+  loads the latest (or `step=`). With `jax.distributed`, every process makes
+  the same calls.
+
+  >>> import tempfile, jax.numpy as jnp, mpolicy
+  >>> manager = mpolicy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+  >>> for step in (100, 200, 300):
+  ...   manager.save(step, {"w": jnp.full(2, step, jnp.bfloat16)})
+  >>> manager.all_steps()
+  [200, 300]
+  >>> manager.restore({"w": jnp.zeros(2, jnp.bfloat16)})["w"].tolist()
+  [300.0, 300.0]
+
+  See also: `save_checkpoint`, `restore_checkpoint`.
+  """
+
+  def __init__(self, directory: str | os.PathLike[str],
+               max_to_keep: Optional[int] = 3):
+    if not isinstance(directory, (str, os.PathLike)):
+      raise TypeError("CheckpointManager: directory must be a path (a str or "
+                      f"an os.PathLike), got {type(directory).__name__}.")
+    self.max_to_keep = max_to_keep if max_to_keep is None else _whole(
+        max_to_keep, 1, "CheckpointManager: max_to_keep",
+        ", or None to keep every step")
+    self.directory = disk.local_path(directory, "CheckpointManager")
+
+  def path(self, step: int) -> str:
+    """The directory of `step`'s checkpoint."""
+    step = _whole(step, 0, "CheckpointManager: step")
+    return os.path.join(self.directory, f"step_{step}")
+
+  def all_steps(self) -> list[int]:
+    """The steps with a complete checkpoint, oldest first."""
+    names = os.listdir(self.directory) if os.path.isdir(self.directory) else ()
+    found = (_STEP.fullmatch(name) for name in names)
+    return sorted({int(m.group(1) or m.group(2)) for m in found if m})
+
+  def latest_step(self) -> Optional[int]:
+    """The newest step with a checkpoint, or None."""
+    return (self.all_steps() or [None])[-1]
+
+  def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
+    """Saves `tree` as `step`'s checkpoint (see `save_checkpoint`; a step
+    saved before needs `overwrite=True`); keeps the newest `max_to_keep`."""
+    save_checkpoint(self.path(step), tree, overwrite=overwrite)
+    group = processes.Processes("CheckpointManager.save")
+
+    def prune():
+      if group.primary and self.max_to_keep is not None:
+        for old in self.all_steps()[:-self.max_to_keep]:
+          for where in (self.path(old), disk.old_path(self.path(old))):
+            if os.path.lexists(where):
+              os.rename(where, os.path.join(
+                  self.directory, f".{os.path.basename(where)}.deleting"))
+        for name in os.listdir(self.directory):  # Also a crashed prune's.
+          if name.endswith(".deleting"):
+            shutil.rmtree(os.path.join(self.directory, name))
+      return None, None
+
+    group.step(prune)
+
+  def restore(self, template: Any, step: Optional[int] = None) -> Any:
+    """Loads `step`'s checkpoint (the latest by default) into `template`
+    (see `restore_checkpoint`); `FileNotFoundError` if there is none."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(
+          f"CheckpointManager.restore: no checkpoint in {self.directory} "
+          "(nothing saved yet: start from a fresh state).")
+    return restore_checkpoint(self.path(step), template)
