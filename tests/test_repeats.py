@@ -171,8 +171,12 @@ def test_keys_tell_custom_jvp_rules_apart():
     return f
 
   two, three, other_two = make(2.0), make(3.0), make(2.0)
-  assert _key(two, 1.0) == _key(other_two, 1.0)
   assert _key(two, 1.0) != _key(three, 1.0)
+  # The classic primitive keys a rule by the jaxpr it traces to; under
+  # jax_custom_jvp3 JAX's own equality holds the rule function itself, so
+  # two closures never share (the safe side).
+  assert (_key(two, 1.0) == _key(other_two, 1.0)) == (
+      not jax.config.values.get("jax_custom_jvp3", False))
   assert _key(jax.nn.relu, X) == _key(jax.nn.relu, X)  # Calls itself.
 
 
