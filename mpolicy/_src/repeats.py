@@ -20,6 +20,7 @@ program is replayed, or where a block format draws random keys by place.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 import dataclasses
 import re
@@ -127,7 +128,13 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
     return None
   out = []
   _emit(names, 0, len(eqns), 0, runs, counts, out)
-  return out
+  # A run whose copies all sit inside other shared runs is one call here:
+  # inline it.
+  emitted = collections.Counter(r.key for r in out if isinstance(r, Repeat))
+  out = [i for r in out for i in (
+      range(r.start, r.end) if isinstance(r, Repeat) and emitted[r.key] < 2
+      else (r,))]
+  return out if any(isinstance(r, Repeat) for r in out) else None
 
 
 def _emit(names, lo, hi, depth, runs, counts, out: list) -> None:
