@@ -205,3 +205,57 @@ def _tracer():
   found = []
   jax.make_jaxpr(lambda x: found.append(x) or x)(1.0)
   return found[0]
+
+
+# --- Plain JAX ----------------------------------------------------------------
+
+
+def _layer(x, w1, w2):
+  h = jnp.tanh(x @ w1)
+  h = h - h.mean(-1, keepdims=True)
+  h = h / jnp.sqrt((h * h).mean(-1, keepdims=True) + 1e-5)
+  return x + jax.nn.relu(h) @ w2
+
+
+def _named_layers(x, ws):
+  for i, (w1, w2) in enumerate(ws):
+    with jax.named_scope(f"layer_{i}"):
+      x = _layer(x, w1, w2)
+  return jnp.sum(jnp.exp(x * 0.01))
+
+
+def _layer_calls(jaxpr) -> int:
+  found = 0
+  for eqn in jaxpr.eqns:
+    found += eqn.primitive is jax_compat.jit_p and eqn.params["name"] == "layer"
+    for sub in jax_compat.jaxprs_in_params(eqn.params):
+      found += _layer_calls(getattr(sub, "jaxpr", sub))
+  return found
+
+
+@pytest.mark.ci  # Every primitive dispatched on its own: 3-4 s on 2 cores.
+def test_named_scopes_share_under_vmap_and_grad(monkeypatch):
+  keys = jax.random.split(jax.random.PRNGKey(0), 8)
+  ws = [(0.3 * jax.random.normal(keys[i], (8, 8)),
+         0.3 * jax.random.normal(keys[i + 4], (8, 8))) for i in range(4)]
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 8))
+  step = jax.vmap(jax.value_and_grad(mpolicy.amp(_named_layers, HALF),
+                                     argnums=1), in_axes=(0, None))
+
+  def run():
+    closed = jax.make_jaxpr(step)(x, ws)
+    with jax.disable_jit():  # Primitive by primitive: no fusion rounds.
+      values = jax_compat.eval_eagerly(closed, x, *jax.tree_util.tree_leaves(
+          ws))
+    return _layer_calls(closed.jaxpr), [np.asarray(v) for v in values]
+
+  jax.clear_caches()
+  calls, shared = run()
+  jax.clear_caches()
+  monkeypatch.setattr(repeats, "MIN_EQNS", 10**9)
+  no_calls, inline = run()
+  jax.clear_caches()
+  assert calls >= 4 and no_calls == 0
+  assert len(shared) == len(inline) == 9
+  for a, b in zip(shared, inline):
+    assert a.dtype == b.dtype and np.array_equal(a, b)
