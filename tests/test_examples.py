@@ -157,7 +157,7 @@ def test_loss_scaling_lesson_nocompare_drops_the_float32_run(tmp_path):
   assert [r.split(" | ")[0] for r in rows] == ["| f16"]
 
 
-@pytest.mark.slow  # CI's oldest job runs it (.ci/run).
+@pytest.mark.slow  # Not in CI: tests/test_optimizer_lesson.py runs it in process.
 def test_optimizer_lesson_runs_as_a_file_and_tabulates_its_mode(tmp_path):
   rc, out, err = run_example("optimizer_lesson", *LESSON_TINY,
                              "--modes=stochastic", cwd=tmp_path)
