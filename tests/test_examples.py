@@ -192,7 +192,7 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   assert re.fullmatch(printed, out.strip()), out
 
 
-@pytest.mark.slow  # CI's oldest job runs it (.ci/run); tests/debugging too.
+@pytest.mark.slow  # Not in CI (27 s): tests/debugging checks suggest_policy.
 def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
   rc, out, err = run_example(
       "precision_islands", "--steps=1", "--batch_size=2", *TINY_MODEL,
