@@ -185,8 +185,14 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
 # --- Calling a shared run -----------------------------------------------------
 
 
+_UNMARKED = (False, None, False, False)
+
+
 def _marks(env, x) -> tuple:
-  """What the rules know of ``x`` beyond its value."""
+  """What the rules know of ``x`` beyond its value (nothing of a concrete
+  value: marks are kept on traced ones)."""
+  if not dtypes.is_traced(x):
+    return _UNMARKED
   const = env.const_of(x)
   return (env.is_param(x), None if const is None else
           (const.dtype, const.tobytes()), env.is_spread(x),
@@ -228,8 +234,7 @@ class _Body:
       env.values[var] = x
       _mark(env, x, marks, next(widers) if marks[3] else None)
     outs = self._evaluate(env, run)
-    self.out_marks = [_marks(env, o) if dtypes.is_traced(o) else
-                      (False, None, False, False) for o in outs]
+    self.out_marks = [_marks(env, o) for o in outs]
     return [*outs, *(env.wider_source(o) for o, m in
                      zip(outs, self.out_marks) if m[3])]
 
@@ -241,8 +246,7 @@ def call(run: Repeat, env, cache: dict, evaluate, new_env) -> list:
   ``new_env()`` whose inputs are set) and returns its outputs' values.
   """
   values = [env.values[v] for v in run.inputs]
-  in_marks = tuple(_marks(env, x) if dtypes.is_traced(x) else
-                   (False, None, False, False) for x in values)
+  in_marks = tuple(_marks(env, x) for x in values)
   body = cache.get((run.key, in_marks))
   if body is None:
     body = cache[run.key, in_marks] = _Body(run, in_marks, evaluate, new_env)
