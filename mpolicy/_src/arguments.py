@@ -13,6 +13,7 @@ TypeError: amp: fn must be a callable (the function to run), got 3 (int).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -71,6 +72,25 @@ def require_transformation(tx: Any, who: str, arg: str = "transform") -> None:
       f"{who}: {arg} must be an optax GradientTransformation (an object "
       "with init and update methods, e.g. optax.adam(1e-3)), got "
       f"{describe(tx)}.{hint}")
+
+
+def require_whole(value: Any, least: int, what: str, more: str = "") -> int:
+  """``value`` as an int >= ``least``; a `TypeError` (not a whole number:
+  bools and floats included) or `ValueError` (too small) naming ``what``.
+
+  >>> require_whole(3, 1, "f: steps")
+  3
+  >>> require_whole(2.0, 1, "f: steps", ", or None")
+  Traceback (most recent call last):
+  ...
+  TypeError: f: steps must be a whole number >= 1, or None; got 2.0.
+  """
+  error = f"{what} must be a whole number >= {least}{more}; got {value!r}."
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(error)
+  if value < least:
+    raise ValueError(error)
+  return int(value)
 
 
 _FLOATING = "float16, bfloat16, float32, float64 or a float8 dtype"

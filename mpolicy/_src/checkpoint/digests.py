@@ -11,7 +11,6 @@ import numpy as np
 from mpolicy._src.checkpoint import leaves as leaves_lib
 
 _U64 = np.uint64
-_STEP = _U64(0x9E3779B97F4A7C15)
 
 
 def _block(data: np.ndarray, starts: list[int], shape: tuple) -> int:
@@ -22,14 +21,11 @@ def _block(data: np.ndarray, starts: list[int], shape: tuple) -> int:
   else:
     raw = data.reshape(-1).view(np.uint8).reshape(data.size, data.itemsize)
     words = np.pad(raw, ((0, 0), (0, -data.itemsize % 8))).view("<u8")
-  strides = np.cumprod((tuple(shape[1:]) + (1,))[::-1])[::-1]
-  position = np.zeros(data.shape, _U64)
-  for axis, (start, stride) in enumerate(zip(starts, strides)):
-    grid = np.arange(start, start + data.shape[axis], dtype=_U64)
-    position += grid.reshape((-1,) + (1,) * (data.ndim - axis - 1)) * _U64(
-        stride)
-  weights = (position.reshape(-1, 1) * _U64(words.shape[1]) + np.arange(
-      words.shape[1], dtype=_U64)) * _STEP
+  grid = np.indices(data.shape, sparse=True)
+  place = np.ravel_multi_index([g + s for g, s in zip(grid, starts)], shape)
+  weights = ((place.reshape(-1, 1).astype(_U64) * _U64(words.shape[1])
+              + np.arange(words.shape[1], dtype=_U64))
+             * _U64(0x9E3779B97F4A7C15))
   weights = (weights ^ (weights >> _U64(29))) | _U64(1)  # Odd, scrambled.
   return int(np.sum(words * weights, dtype=_U64))
 
@@ -40,9 +36,9 @@ def _piece(data: Any, index: tuple, shape: tuple, dtype) -> int:
   data = np.asarray(data, dtype, order="C")
   index = tuple(index) + (slice(None),) * (len(shape) - len(index))
   starts = [part.indices(n)[0] for part, n in zip(index, shape)]
-  if data.ndim == 0:
-    return _block(data, starts, shape)
-  rows = max(1, 2 ** 18 // max(1, data[0].size))
+  if not data.ndim:
+    data, starts, shape = data.reshape(1), [0], (1,)
+  rows = max(1, 2 ** 18 // max(1, data[:1].size))
   return sum(_block(data[r:r + rows], [starts[0] + r] + starts[1:], shape)
              for r in range(0, len(data), rows)) % 2 ** 64
 

@@ -80,8 +80,6 @@ def place(staged: str, path: str, overwrite: bool, what: str) -> None:
 
 def _checkpointer(group, *, alone: bool):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  if group.count == 1:
-    return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   mp = {"multiprocessing_options": ocp.options.MultiprocessingOptions(
       primary_host=0, barrier_sync_key_prefix=group.tag,
       active_processes={group.index} if alone else set(range(group.count)))}

@@ -1,7 +1,6 @@
-"""What a checkpoint holds, checked against a template: leaves (JAX arrays,
-typed keys included, numpy values and Python numbers; in a template also
-`jax.ShapeDtypeStruct`s) and metadata (each leaf's dtype and shape, which
-leaves were host values, checksums, and the loss scales' settings)."""
+"""What a checkpoint holds, checked against a template: leaves (arrays,
+typed keys, numpy values, numbers; in a template `ShapeDtypeStruct`s too)
+and metadata (dtypes, shapes, host values' kinds, checksums, loss scales)."""
 
 import functools
 from typing import Any, Callable, Optional
@@ -33,6 +32,11 @@ def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
                        *_NUMBERS)):  # A number: the dtype JAX gives it.
     dtype = getattr(leaf, "dtype", None) or jax.dtypes.canonicalize_dtype(
         np.result_type(type(leaf)))
+    if 0 in np.shape(leaf):
+      raise ValueError(
+          f"{what}: leaf {key} has no elements (shape {np.shape(leaf)}), and "
+          "orbax stores no zero-size arrays: leave it out of the tree and "
+          "rebuild it after restoring.")
     return str(dtype), [int(d) for d in np.shape(leaf)]
   raise TypeError(
       f"{what}: leaf {key} is of type {type(leaf).__name__}; a checkpoint "
@@ -43,10 +47,10 @@ def describe(key: str, leaf: Any, what: str) -> tuple[str, list[int]]:
 def flatten(tree: Any, what: str):
   """`({keystr: leaf}, {keystr: (dtype, shape)}, treedef)`."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  flat = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
-  if len(flat) < len(leaves):
-    key = next(k for k in flat if sum(jax.tree_util.keystr(p) == k
-                                      for p, _ in leaves) > 1)
+  keys = [jax.tree_util.keystr(path) for path, _ in leaves]
+  flat = dict(zip(keys, (leaf for _, leaf in leaves)))
+  if len(flat) < len(keys):
+    key = next(k for k in keys if keys.count(k) > 1)
     raise ValueError(f"{what}: two leaves share the path {key!r}; give "
                      "them distinct keys.")
   return flat, {k: describe(k, v, what) for k, v in flat.items()}, treedef
@@ -186,7 +190,6 @@ def check(meta: Any, path: str, template: Any, flat: dict, described: dict,
     raise ValueError(
         f"{what}: {path} is not an mpolicy checkpoint of format {FORMAT!r} "
         f"version {VERSION} (its metadata is {meta!r:.300}).")
-  problems = list(_differences(meta, template, flat, described))
-  if problems:
+  if problems := list(_differences(meta, template, flat, described)):
     raise ValueError("The checkpoint does not match the template: "
                      + "; ".join(problems) + ".")

@@ -4,7 +4,6 @@ write and read, and the last few steps of a training loop."""
 
 import functools
 import itertools
-import numbers
 import os
 import re
 import shutil
@@ -13,6 +12,7 @@ import zlib
 
 import jax
 
+from mpolicy._src import arguments
 from mpolicy._src.checkpoint import digests
 from mpolicy._src.checkpoint import disk
 from mpolicy._src.checkpoint import leaves as leaves_lib
@@ -75,8 +75,8 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
 
   See also: `restore_checkpoint`, `CheckpointManager`.
   """
-  what = "save_checkpoint"
-  group, made = processes.Processes(what), []
+  what, made = "save_checkpoint", []
+  group = processes.Processes(what)
 
   def prepare():
     dest = disk.local_path(path, what)
@@ -192,28 +192,14 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
       back(value) for value, back in restored.values()])
 
 
-_STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
-
-
-def _whole(value: Any, least: int, what: str, more: str = "") -> int:
-  """`value` as an int >= `least`, or an error naming `what`."""
-  error = f"{what} must be a whole number >= {least}{more}; got {value!r}."
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(error)
-  if value < least:
-    raise ValueError(error)
-  return int(value)
-
-
 class CheckpointManager:
   """Saves a training loop's state every few steps and keeps the last ones.
 
   `save(step, state)` writes `<directory>/step_<step>` with
   `save_checkpoint` and removes the oldest beyond `max_to_keep` (None: keep
   all), renamed to a hidden name first so that no listing shows a step half
-  deleted (orbax's `CheckpointManager` deletes in place); `restore(template)`
-  loads the latest (or `step=`). With `jax.distributed`, every process makes
-  the same calls.
+  deleted; `restore(template)` loads the latest (or `step=`). With
+  `jax.distributed`, every process makes the same calls.
 
   >>> import tempfile, jax.numpy as jnp, mpolicy
   >>> manager = mpolicy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -226,26 +212,27 @@ class CheckpointManager:
 
   See also: `save_checkpoint`, `restore_checkpoint`.
   """
+  _STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
 
   def __init__(self, directory: str | os.PathLike[str],
                max_to_keep: Optional[int] = 3):
     if not isinstance(directory, (str, os.PathLike)):
       raise TypeError("CheckpointManager: directory must be a path (a str or "
                       f"an os.PathLike), got {type(directory).__name__}.")
-    self.max_to_keep = max_to_keep if max_to_keep is None else _whole(
-        max_to_keep, 1, "CheckpointManager: max_to_keep",
-        ", or None to keep every step")
     self.directory = disk.local_path(directory, "CheckpointManager")
+    self.max_to_keep = max_to_keep if max_to_keep is None else (
+        arguments.require_whole(max_to_keep, 1, "CheckpointManager: "
+                                "max_to_keep", ", or None to keep every step"))
 
   def path(self, step: int) -> str:
     """The directory of `step`'s checkpoint."""
-    step = _whole(step, 0, "CheckpointManager: step")
+    step = arguments.require_whole(step, 0, "CheckpointManager: step")
     return os.path.join(self.directory, f"step_{step}")
 
   def all_steps(self) -> list[int]:
     """The steps with a complete checkpoint, oldest first."""
     names = os.listdir(self.directory) if os.path.isdir(self.directory) else ()
-    found = (_STEP.fullmatch(name) for name in names)
+    found = (self._STEP.fullmatch(name) for name in names)
     return sorted({int(m.group(1) or m.group(2)) for m in found if m})
 
   def latest_step(self) -> Optional[int]:
@@ -257,20 +244,19 @@ class CheckpointManager:
     saved before needs `overwrite=True`); keeps the newest `max_to_keep`."""
     save_checkpoint(self.path(step), tree, overwrite=overwrite)
     group = processes.Processes("CheckpointManager.save")
+    group.step(lambda: (self._prune() if group.primary else None, None))
 
-    def prune():
-      if group.primary and self.max_to_keep is not None:
-        for old in self.all_steps()[:-self.max_to_keep]:
-          for where in (self.path(old), disk.old_path(self.path(old))):
-            if os.path.lexists(where):
-              os.rename(where, os.path.join(
-                  self.directory, f".{os.path.basename(where)}.deleting"))
-        for name in os.listdir(self.directory):  # Also a crashed prune's.
-          if name.endswith(".deleting"):
-            shutil.rmtree(os.path.join(self.directory, name))
-      return None, None
-
-    group.step(prune)
+  def _prune(self) -> None:
+    if self.max_to_keep is None:
+      return
+    for old in self.all_steps()[:-self.max_to_keep]:
+      for where in (self.path(old), disk.old_path(self.path(old))):
+        if os.path.lexists(where):
+          os.rename(where, os.path.join(
+              self.directory, f".{os.path.basename(where)}.deleting"))
+    for name in os.listdir(self.directory):  # Also a crashed prune's.
+      if name.endswith(".deleting"):
+        shutil.rmtree(os.path.join(self.directory, name))
 
   def restore(self, template: Any, step: Optional[int] = None) -> Any:
     """Loads `step`'s checkpoint (the latest by default) into `template`
