@@ -67,6 +67,7 @@ from fuzz_programs import (
     _X64_OPS,
     check_full_is_bitwise,
     check_half_is_close,
+    x64_everywhere,
 )
 
 
@@ -181,7 +182,7 @@ _X64_LONG = [s for s in range(300, 360) if s not in _X64_SHORT]
 def check_x64_mix(seed: int) -> None:
   """Under x64, float64 values are never narrowed: every op with a float64
   operand runs in float64 (`explain`), and the result stays close."""
-  with jax.enable_x64(True):
+  with x64_everywhere():
     program = _programs(seed, _X64_PROGRAM_OPS)["rev"]
     f = _as_fn(program)
     x, w = (a.astype(jnp.float32) for a in _inputs(seed))
