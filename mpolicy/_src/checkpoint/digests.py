@@ -67,10 +67,6 @@ def parts(flat: dict, described: dict) -> dict[str, dict[str, int]]:
 def totals(keys: Iterable[str], posts: list[dict]) -> dict[str, str]:
   """Each leaf's checksum from every process's `parts`: one held whole as
   process 0 has it, else the sum of the processes' parts."""
-
-  def total(key):
-    if key in posts[0]["whole"]:
-      return posts[0]["whole"][key]
-    return sum(post["part"][key] for post in posts) % 2 ** 64
-
-  return {key: f"{total(key):016x}" for key in keys}
+  sums = {k: sum(post["part"][k] for post in posts) for k in posts[0]["part"]}
+  sums.update(posts[0]["whole"])
+  return {key: f"{sums[key] % 2 ** 64:016x}" for key in keys}
