@@ -47,14 +47,24 @@ def old_path(path: str) -> str:
   return os.path.join(parent, f".{name}.mpolicy-old")
 
 
-def locate(path: str) -> Optional[str]:
-  """The checkpoint at `path`, or the one a replacing save left aside."""
-  return next((p for p in (path, old_path(path)) if os.path.lexists(p)), None)
+def locate(path: str, what: str) -> str:
+  """The checkpoint at `path`, or the one a replacing save left aside; an
+  error if there is none."""
+  found = [p for p in (path, old_path(path)) if os.path.lexists(p)]
+  if not found:
+    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
+  if not os.path.isdir(found[0]):
+    hint = (" It looks like an .npz file, which numpy.load reads."
+            if path.endswith(".npz") else "")
+    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
+                     f"(a directory written by save_checkpoint).{hint}")
+  return found[0]
 
 
 def scratch(path: str, overwrite: bool, what: str) -> str:
   """A new directory beside `path`, free unless `overwrite`."""
-  if locate(path) and not overwrite:
+  if not overwrite and (os.path.lexists(path)
+                        or os.path.lexists(old_path(path))):
     raise FileExistsError(f"{what}: {path} already exists; pass "
                           "overwrite=True to replace it, or choose a new path.")
   parent, name = os.path.split(path)

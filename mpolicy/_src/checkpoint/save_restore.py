@@ -142,7 +142,15 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   group = processes.Processes(what)
 
   def read():
-    src, dest = _locate(path, template, what)
+    dest = disk.local_path(path, what)
+    if template is None:
+      raise TypeError(
+          f"{what}: template is None; pass a pytree like the one saved: the "
+          "state itself (freshly initialized), or jax.eval_shape of its "
+          "initializer (with shardings on its ShapeDtypeStructs to place the "
+          "leaves). The restored state takes its structure, dtypes and "
+          "shardings from it.")
+    src = disk.locate(dest, what)
     flat, described, treedef = leaves_lib.flatten(template, what)
     meta = disk.read(src, group, what)
     leaves_lib.check(meta, dest, template, flat, described, what)
@@ -163,27 +171,6 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
         "checksum saved with it: the checkpoint is damaged (its data "
         "changed after it was written). Restore an earlier checkpoint.")
   return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _locate(path: Any, template: Any, what: str) -> tuple[str, str]:
-  """`(the checkpoint's directory, path)`; an error saying why there is none."""
-  dest = disk.local_path(path, what)
-  if template is None:
-    raise TypeError(
-        f"{what}: template is None; pass a pytree like the one saved: the "
-        "state itself (freshly initialized), or jax.eval_shape of its "
-        "initializer (with shardings on its ShapeDtypeStructs to place the "
-        "leaves). The restored state takes its structure, dtypes and "
-        "shardings from it.")
-  src = disk.locate(dest)
-  if src is None:
-    raise FileNotFoundError(f"{what}: no checkpoint at {dest}.")
-  if not os.path.isdir(src):
-    hint = (" It looks like an .npz file, which numpy.load reads."
-            if dest.endswith(".npz") else "")
-    raise ValueError(f"{what}: {dest} is a file, not an mpolicy checkpoint "
-                     f"(a directory written by save_checkpoint).{hint}")
-  return src, dest
 
 
 class CheckpointManager:
