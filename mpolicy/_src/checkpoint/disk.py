@@ -114,7 +114,7 @@ def write(path: str, flat: dict, meta: dict, group) -> None:
 
 def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
   """The metadata at `path`, or with `target` the arrays, each restored to
-  its sharding; a `ValueError` saying what could not be read."""
+  its sharding (`_as_saved` if none); a `ValueError` naming what failed."""
   ocp, checkpointer = _checkpointer(group, alone=True)
   with _LOCK, _quiet(), checkpointer:
     try:  # orbax raises many kinds of errors; one is documented.
@@ -161,10 +161,10 @@ def _as_saved(metadata: Any, target: dict) -> dict:
   for key, leaf in target.items():
     if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
       target[key] = leaf.update(sharding=_replicated())
-      with contextlib.suppress(Exception):  # None saved, or its devices gone.
+      with contextlib.suppress(Exception):  # None saved, or devices gone.
         sharding = saved[key].sharding.to_jax_sharding()
         processes = {d.process_index for d in sharding.device_set}
-        if len(processes) == jax.process_count():  # Fails for another rank.
+        if len(processes) == jax.process_count():  # Raises for another rank.
           target[key] = leaf.update(sharding=sharding)
   return target
 
