@@ -43,25 +43,30 @@ def _piece(data: Any, index: tuple, shape: tuple, dtype) -> int:
              for r in range(0, len(data), rows)) % 2 ** 64
 
 
-def part(leaf: Any, dtype: Optional[str], primary: bool) -> int:
-  """This process's part of `leaf`'s checksum, its values taken as `dtype`
-  (the saved one). A leaf each process holds whole counts on process 0."""
+def part(leaf: Any, dtype: Optional[str]) -> int:
+  """The sum over what this process holds of `leaf` (one copy of each
+  shard), its values taken as `dtype` (the saved one)."""
   if leaves_lib.is_key(leaf):
     leaf, dtype = jax.random.key_data(leaf), None
   if not isinstance(leaf, jax.Array):
-    return _piece(leaf, (), np.shape(leaf), dtype) if primary else 0
-  if leaf.is_fully_addressable and not primary:
-    return 0
+    return _piece(leaf, (), np.shape(leaf), dtype)
   return sum(_piece(s.data, s.index, leaf.shape, dtype)
              for s in leaf.addressable_shards if s.replica_id == 0) % 2 ** 64
 
 
-def parts(flat: dict, described: dict, primary: bool) -> list[str]:
-  """`part` of each leaf (as str, for JSON), its dtype `described[key][0]`."""
-  return [str(part(v, described[k][0], primary)) for k, v in flat.items()]
+def parts(flat: dict, described: dict) -> dict[str, dict[str, int]]:
+  """`part` of each leaf, its dtype `described[key][0]`: under "whole"
+  where this process holds the leaf whole, else under "part"."""
+  out = {"whole": {}, "part": {}}
+  for key, leaf in flat.items():
+    whole = getattr(leaf, "is_fully_addressable", True)
+    out["whole" if whole else "part"][key] = part(leaf, described[key][0])
+  return out
 
 
-def totals(keys: Iterable[str], posts: list[list[str]]) -> dict[str, str]:
-  """Each leaf's checksum, from every process's `parts`."""
-  return {k: f"{sum(int(p[i]) for p in posts) % 2 ** 64:016x}"
-          for i, k in enumerate(keys)}
+def totals(keys: Iterable[str], posts: list[dict]) -> dict[str, str]:
+  """Each leaf's checksum from every process's `parts`: one held whole as
+  process 0 has it, else the sum of the processes' parts."""
+  sums = {k: sum(post["part"][k] for post in posts) for k in posts[0]["part"]}
+  sums.update(posts[0]["whole"])
+  return {key: f"{sums[key] % 2 ** 64:016x}" for key in keys}

@@ -3,13 +3,14 @@
 path; `place` renames it to the path, first moving a replaced checkpoint to
 `old_path`, where `locate` finds it if the process dies in between. Across
 processes orbax's barriers are the coordination service's, with a timeout;
-each process reads what its devices hold."""
+an array each process holds whole is written once, and each process reads
+what its devices hold."""
 
 import contextlib
+import functools
 import gc
 import logging
 import os
-import pathlib
 import re
 import shutil
 import sys
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import warnings
 
 import jax
+import numpy as np
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/")
 _LOCK = threading.Lock()  # orbax's save shares state between threads.
@@ -45,14 +47,24 @@ def old_path(path: str) -> str:
   return os.path.join(parent, f".{name}.mpolicy-old")
 
 
-def locate(path: str) -> Optional[str]:
-  """The checkpoint at `path`, or the one a replacing save left aside."""
-  return next((p for p in (path, old_path(path)) if os.path.lexists(p)), None)
+def locate(path: str, what: str) -> str:
+  """The checkpoint at `path`, or the one a replacing save left aside; an
+  error if there is none."""
+  found = [p for p in (path, old_path(path)) if os.path.lexists(p)]
+  if not found:
+    raise FileNotFoundError(f"{what}: no checkpoint at {path}.")
+  if not os.path.isdir(found[0]):
+    hint = (" It looks like an .npz file, which numpy.load reads."
+            if path.endswith(".npz") else "")
+    raise ValueError(f"{what}: {path} is a file, not an mpolicy checkpoint "
+                     f"(a directory written by save_checkpoint).{hint}")
+  return found[0]
 
 
 def scratch(path: str, overwrite: bool, what: str) -> str:
   """A new directory beside `path`, free unless `overwrite`."""
-  if locate(path) and not overwrite:
+  if not overwrite and (os.path.lexists(path)
+                        or os.path.lexists(old_path(path))):
     raise FileExistsError(f"{what}: {path} already exists; pass "
                           "overwrite=True to replace it, or choose a new path.")
   parent, name = os.path.split(path)
@@ -90,7 +102,11 @@ def _checkpointer(group, *, alone: bool):
 
 
 def write(path: str, flat: dict, meta: dict, group) -> None:
+  """Writes `flat`, each array that each process holds whole written once."""
   ocp, checkpointer = _checkpointer(group, alone=False)
+  if group.count > 1:
+    flat = {k: _global(v) if isinstance(v, jax.Array)
+            and v.is_fully_addressable else v for k, v in flat.items()}
   with _LOCK, checkpointer:
     checkpointer.save(path, ocp.args.Composite(
         state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
@@ -98,14 +114,16 @@ def write(path: str, flat: dict, meta: dict, group) -> None:
 
 def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
   """The metadata at `path`, or with `target` the arrays, each restored to
-  its sharding; a `ValueError` saying what could not be read."""
+  its sharding (`_as_saved` if none); a `ValueError` naming what failed."""
   ocp, checkpointer = _checkpointer(group, alone=True)
-  name, args = (("meta", ocp.args.JsonRestore()) if target is None else
-                ("state", ocp.args.StandardRestore(target)))
   with _LOCK, _quiet(), checkpointer:
     try:  # orbax raises many kinds of errors; one is documented.
-      restored = checkpointer.restore(path, ocp.args.Composite(**{name: args}))
-      return restored[name]
+      if target is None:
+        return checkpointer.restore(path, ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+      target = _as_saved(checkpointer.metadata(path), target)
+      return checkpointer.restore(path, ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:  # pylint: disable=broad-except
       failure = e
     error = failure  # Drop its frames, then collect what only they held.
@@ -121,21 +139,34 @@ def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
       "the checkpoint is damaged.") from failure
 
 
-def saved_shardings(path: str) -> dict[str, Any]:
-  """Each array's sharding as saved, where it spans devices of every
-  process there are now (else None)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  out = {}
-  with contextlib.closing(ocp.StandardCheckpointHandler()) as handler:
-    tree = handler.metadata(pathlib.Path(path) / "state").tree
-  for key, leaf in tree.items():
-    try:  # None saved, or its devices are gone: None.
-      sharding = leaf.sharding.to_jax_sharding()
-      processes = {d.process_index for d in sharding.device_set}
-      out[key] = sharding if len(processes) == jax.process_count() else None
-    except Exception:  # pylint: disable=broad-except
-      out[key] = None
-  return out
+@functools.lru_cache(maxsize=None)
+def _replicated() -> jax.sharding.NamedSharding:
+  """Every device of the run holds the whole value."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _global(array: jax.Array) -> jax.Array:
+  """An array each process holds whole, made one array on every device."""
+  mine = [d for d in _replicated().mesh.devices.flat
+          if d.process_index == jax.process_index()]  # In the mesh's order.
+  return jax.make_array_from_single_device_arrays(
+      array.shape, _replicated(), [jax.device_put(array, d) for d in mine])
+
+
+def _as_saved(metadata: Any, target: dict) -> dict:
+  """`target`, each `ShapeDtypeStruct` without a sharding given the saved
+  one where it spans every process there are now, else `_replicated()`."""
+  saved = metadata.item_metadata["state"].tree
+  for key, leaf in target.items():
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+      target[key] = leaf.update(sharding=_replicated())
+      with contextlib.suppress(Exception):  # None saved, or devices gone.
+        sharding = saved[key].sharding.to_jax_sharding()
+        processes = {d.process_index for d in sharding.device_set}
+        if len(processes) == jax.process_count():  # Raises for another rank.
+          target[key] = leaf.update(sharding=sharding)
+  return target
 
 
 @contextlib.contextmanager

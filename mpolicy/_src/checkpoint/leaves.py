@@ -63,47 +63,20 @@ def host_kind(leaf: Any) -> Optional[str]:
   return next((kind for t, kind in kinds if isinstance(leaf, t)), None)
 
 
-@functools.lru_cache(maxsize=None)
-def replicated() -> jax.sharding.NamedSharding:
-  """Every device of the run holds the whole value."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
-def to_global(flat: dict) -> dict:
-  """`flat` with each array that each process holds whole made one array
-  on every device (so that orbax writes it once)."""
-  mine = [d for d in replicated().mesh.devices.flat
-          if d.process_index == jax.process_index()]  # In the mesh's order.
-  return {k: jax.make_array_from_single_device_arrays(v.shape, replicated(), [
-      jax.device_put(v, d) for d in mine]) if isinstance(v, jax.Array)
-          and v.is_fully_addressable else v for k, v in flat.items()}
-
-
-def restore_plan(leaf: Any, kind: Optional[str], saved_dtype: str,
-                 saved_sharding: Callable[[], Any]) -> tuple[Any, Callable]:
+def restore_plan(leaf: Any, kind: Optional[str],
+                 saved_dtype: str) -> tuple[Any, Callable]:
   """`(target, back)`: what orbax restores template `leaf` from (shape,
   dtype, sharding), and `back(restored)`, a leaf of `leaf`'s kind. A
   `ShapeDtypeStruct` without a sharding comes back as saved: a host value
-  as such, an array with `saved_sharding()` or else `replicated()`."""
-  back = functools.partial(_array_like, leaf)
-  if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
-    if kind is None:
-      struct = lambda s: jax.ShapeDtypeStruct(
-          leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
-      try:
-        return struct(saved_sharding() or replicated()), back
-      except ValueError:  # Saved for another rank (orbax pads scalars' specs).
-        return struct(replicated()), back
+  as such, an array placed by `disk.read`."""
+  if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None and kind:
     zeros = np.zeros(leaf.shape, np.dtype(saved_dtype))
     leaf = {"ndarray": zeros, "generic": zeros[()], "bool": False, "int": 0,
             "float": 0.}[kind]
-  if isinstance(leaf, _NUMBERS):
-    return leaf, lambda restored: type(leaf)(np.asarray(restored).item())
-  if isinstance(leaf, (np.generic, np.ndarray)):
-    scalar = isinstance(leaf, np.generic)
-    return np.asarray(leaf), lambda r: np.asarray(r)[()] if scalar else (
-        np.asarray(r))
+  if host_kind(leaf):  # As numpy arrays: orbax takes no numpy scalars.
+    return np.asarray(leaf), (np.asarray if isinstance(leaf, np.ndarray)
+                              else type(leaf))
+  back = functools.partial(_array_like, leaf)
   if isinstance(leaf, jax.Array):
     leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
   return leaf, back
@@ -113,7 +86,7 @@ def _array_like(template: Any, restored: Any) -> jax.Array:
   """The restored array, placed and typed as the template's."""
   if not isinstance(restored, jax.Array):  # A number saved, an array wanted.
     restored = jax.device_put(jnp.asarray(restored, template.dtype),
-                              getattr(template, "sharding", None))
+                              template.sharding)
   if (isinstance(template, jax.Array) and not template.committed
       and jax.device_count() > 1):  # Free, as a fresh array, to join others.
     restored = jax.random.wrap_key_data(

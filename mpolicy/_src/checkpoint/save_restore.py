@@ -2,7 +2,6 @@
 mpolicy's checks, agreement across processes and checksums around orbax's
 write and read, and the last few steps of a training loop."""
 
-import functools
 import itertools
 import os
 import re
@@ -19,7 +18,9 @@ from mpolicy._src.checkpoint import leaves as leaves_lib
 from mpolicy._src.checkpoint import processes
 
 
-def _agree(shared: list[dict], keys: list[str], what: str) -> None:
+def _agree(shared: list[dict], keys: list[str], what: str) -> dict[str, str]:
+  """Each leaf's checksum from every process's `shared`; a `ValueError`,
+  the same on every process, unless they pass one path and one tree."""
   first = shared[0]
   for i, other in enumerate(shared[1:], 1):
     if other["path"] != first["path"]:
@@ -34,8 +35,8 @@ def _agree(shared: list[dict], keys: list[str], what: str) -> None:
           f"{what}: process {i}'s tree differs from process 0's {where} "
           "(structure, dtype or shape); every process must pass the same "
           "tree, whose global arrays hold each process's part.")
-    differ = sorted(k for k, v in first["whole"].items()
-                    if other["whole"].get(k) != v)
+    differ = sorted(k for k, v in first["sums"]["whole"].items()
+                    if other["sums"]["whole"].get(k) != v)
     if differ:
       raise ValueError(
           f"{what}: {', '.join(differ[:5])} differ between process 0 and "
@@ -44,6 +45,7 @@ def _agree(shared: list[dict], keys: list[str], what: str) -> None:
           "checkpoint holds one value per leaf: make them equal on every "
           "process, or, where each process holds a part of one array, make "
           "it a global array (jax.make_array_from_process_local_data).")
+  return digests.totals(keys, [other["sums"] for other in shared])
 
 
 def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
@@ -81,32 +83,26 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
   def prepare():
     dest = disk.local_path(path, what)
     flat, described, _ = leaves_lib.flatten(tree, what)
-    whole = {k: v for k, v in flat.items() if group.count > 1 and (
-        v.is_fully_addressable if isinstance(v, jax.Array)
-        else leaves_lib.host_kind(v))}
-    shared = {"path": dest, "leaves": [zlib.crc32(repr(d).encode())
-                                       for d in described.items()],
-              "whole": dict(zip(whole, digests.parts(whole, described, True)))}
     if group.primary:
       made.append(disk.scratch(dest, overwrite, what))
-      shared["scratch"] = made[0]
+    shared = {"path": dest, "scratch": made[0] if made else None,
+              "leaves": [zlib.crc32(repr(d).encode())
+                         for d in described.items()],
+              "sums": digests.parts(flat, described)}
     return (dest, flat, leaves_lib.build(tree, flat, described)), shared
 
-  def check(flat, shared, meta):
-    _agree(shared, list(flat), what)
-    if not os.path.isdir(shared[0]["scratch"]):
-      raise OSError(f"{what}: process {group.index} does not see "
-                    f"{shared[0]['scratch']}, which process 0 made beside the "
-                    "checkpoint's path: every process must save to one "
-                    "directory on a file system they all share.")
-    if group.count > 1:  # One array on every device, written once.
-      flat = leaves_lib.to_global(flat)
-    return flat, digests.parts(flat, meta["leaves"], group.primary)
+  def see(scratch):
+    if not os.path.isdir(scratch):
+      raise OSError(f"{what}: process {group.index} does not see {scratch}, "
+                    "which process 0 made beside the checkpoint's path: "
+                    "every process must save to one directory on a file "
+                    "system they all share.")
+    return None, None
 
   try:
     (dest, flat, meta), shared = group.step(prepare)
-    flat, parts = group.step(lambda: check(flat, shared, meta))
-    meta["digests"] = digests.totals(flat, parts)
+    meta["digests"] = _agree(shared, list(flat), what)
+    group.step(lambda: see(shared[0]["scratch"]))
     staged = os.path.join(shared[0]["scratch"], "checkpoint")
     disk.write(staged, flat, meta, group)
     group.step(lambda: (disk.place(staged, dest, overwrite, what)
@@ -145,7 +141,7 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
   what = "restore_checkpoint"
   group = processes.Processes(what)
 
-  def open_():
+  def read():
     dest = disk.local_path(path, what)
     if template is None:
       raise TypeError(
@@ -154,42 +150,27 @@ def restore_checkpoint(path: str | os.PathLike[str], template: Any) -> Any:
           "initializer (with shardings on its ShapeDtypeStructs to place the "
           "leaves). The restored state takes its structure, dtypes and "
           "shardings from it.")
-    src = disk.locate(dest)
-    if src is None:
-      raise FileNotFoundError(f"{what}: no checkpoint at {dest}.")
-    if not os.path.isdir(src):
-      hint = (" It looks like an .npz file, which numpy.load reads."
-              if dest.endswith(".npz") else "")
-      raise ValueError(f"{what}: {dest} is a file, not an mpolicy checkpoint "
-                       f"(a directory written by save_checkpoint).{hint}")
+    src = disk.locate(dest, what)
     flat, described, treedef = leaves_lib.flatten(template, what)
     meta = disk.read(src, group, what)
     leaves_lib.check(meta, dest, template, flat, described, what)
-    return (src, flat, treedef, meta), None
-
-  (src, flat, treedef, meta), _ = group.step(open_)
-  kinds, saved = meta.get("host_values", {}), meta["leaves"]
-  shardings = functools.cache(lambda: disk.saved_shardings(src))  # If needed.
-
-  def read():
-    plans = {k: leaves_lib.restore_plan(v, kinds.get(k), saved[k][0],
-                                        lambda k=k: shardings().get(k))
+    kinds, saved = meta.get("host_values", {}), meta["leaves"]
+    plans = {k: leaves_lib.restore_plan(v, kinds.get(k), saved[k][0])
              for k, v in flat.items()}
     out = disk.read(src, group, what, {k: p[0] for k, p in plans.items()})
     out = {k: out[k] for k in flat}  # Checked as read, then made leaves.
-    return ({k: (v, plans[k][1]) for k, v in out.items()},
-            digests.parts(out, saved, group.primary))
+    leaves = [plans[k][1](v) for k, v in out.items()]
+    return (src, treedef, meta, leaves), digests.parts(out, saved)
 
-  (restored, parts), sums = group.step(read), meta.get("digests", {})
-  bad = [k for k, v in digests.totals(flat, parts).items()
-         if k in sums and v != sums[k]]  # None before version 3.
+  (src, treedef, meta, leaves), parts = group.step(read)
+  sums = meta.get("digests", {})  # None before version 3.
+  bad = [k for k, v in digests.totals(sums, parts).items() if v != sums[k]]
   if bad:  # The same on every process.
     raise ValueError(
         f"{what}: leaf {', '.join(bad[:5])} of {src} does not match the "
         "checksum saved with it: the checkpoint is damaged (its data "
         "changed after it was written). Restore an earlier checkpoint.")
-  return jax.tree_util.tree_unflatten(treedef, [
-      back(value) for value, back in restored.values()])
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 class CheckpointManager:
