@@ -33,10 +33,6 @@ A short slice runs by default; ``-m slow`` runs the long one.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import random
-from typing import Any
 
 import jax
 import jax.numpy as jnp
