@@ -33,7 +33,6 @@ A short slice runs by default; ``-m slow`` runs the long one.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
