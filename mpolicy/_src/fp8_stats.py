@@ -233,9 +233,9 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
   a block format the cotangent is quantized twice (once per backward
   matmul; two calls), the scales are the blocks', and the counts are those
   of rounding to nearest. Counts add up over every call of an op (inside a
-  loop, say). The program runs for real, once, with extra
-  reductions and host callbacks; a later call of ``fn`` compiles without
-  them.
+  loop, say). The program is compiled with `jax.jit` and runs for real,
+  once, with extra reductions and host callbacks; a later call of ``fn``
+  compiles without them.
 
   >>> import jax, jax.numpy as jnp
   >>> import mpolicy
@@ -273,10 +273,7 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
                if dtypes.float_value(l))
 
   with _COUNTING(next(_runs)), observe.watching(_Counter()) as counter:
-    if wrt:
-      jax.grad(total, argnums=wrt)(*arrays)
-    else:
-      flat(*arrays)
+    jax.jit(jax.grad(total, argnums=wrt) if wrt else flat)(*arrays)
     jax.effects_barrier()
   rows = tuple(Fp8Row(op.scope, op.primitive, op.shapes, dict(counts))
                for op, counts in counter.ops.values())
