@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 import warnings
 
 import jax
@@ -121,7 +121,7 @@ def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
       if target is None:
         return checkpointer.restore(path, ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
-      target = _as_saved(checkpointer.metadata(path), target)
+      target = _as_saved(lambda: checkpointer.metadata(path), target)
       return checkpointer.restore(path, ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:  # pylint: disable=broad-except
@@ -154,18 +154,21 @@ def _global(array: jax.Array) -> jax.Array:
       array.shape, _replicated(), [jax.device_put(array, d) for d in mine])
 
 
-def _as_saved(metadata: Any, target: dict) -> dict:
+def _as_saved(metadata: Callable[[], Any], target: dict) -> dict:
   """`target`, each `ShapeDtypeStruct` without a sharding given the saved
-  one where it spans every process there are now, else `_replicated()`."""
-  saved = metadata.item_metadata["state"].tree
-  for key, leaf in target.items():
-    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
-      target[key] = leaf.update(sharding=_replicated())
-      with contextlib.suppress(Exception):  # None saved, or devices gone.
-        sharding = saved[key].sharding.to_jax_sharding()
-        processes = {d.process_index for d in sharding.device_set}
-        if len(processes) == jax.process_count():  # Raises for another rank.
-          target[key] = leaf.update(sharding=sharding)
+  one where it spans every process there are now, else `_replicated()`
+  (`metadata()`, the saved one, read only if a leaf needs it)."""
+  bare = [k for k, v in target.items()
+          if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is None]
+  saved = metadata().item_metadata["state"].tree if bare else {}
+  target = dict(target)
+  for key in bare:
+    leaf = target[key] = target[key].update(sharding=_replicated())
+    with contextlib.suppress(Exception):  # None saved, or devices gone.
+      sharding = saved[key].sharding.to_jax_sharding()
+      processes = {d.process_index for d in sharding.device_set}
+      if len(processes) == jax.process_count():  # Raises for another rank.
+        target[key] = leaf.update(sharding=sharding)
   return target
 
 
