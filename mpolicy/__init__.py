@@ -14,7 +14,8 @@ The rest is behind three doors, each a theme (the flat names stay too):
 ``mpolicy.training`` (loss scales, steps, the optimizer's precision),
 ``mpolicy.debug`` (explain, locate_nonfinite, compare_to_float32,
 suggest_policy, fp8_stats) and ``mpolicy.checkpoint`` (orbax checkpoints
-checked against the policy).
+checked against the policy). A door is imported on first use, as an
+attribute or with ``from mpolicy import training``.
 
 >>> import jax.numpy as jnp, mpolicy
 >>> f = mpolicy.amp(lambda x, w: x @ w, "p=f32,c=bf16,o=f32")
@@ -142,6 +143,9 @@ _LAZY = {
     "CheckpointManager": ("mpolicy._src.checkpoint", _ORBAX),
 }
 
+# The doors: subpackages, imported on first attribute access.
+_DOORS = {"training": _OPTAX, "debug": None, "checkpoint": _ORBAX}
+
 __version__ = "0.1.0"
 
 __all__ = (
@@ -242,10 +246,14 @@ def __getattr__(name):
     value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # Later reads do not come here.
     return value
+  if name in _DOORS:
+    if _DOORS[name]:
+      _needs(name, _DOORS[name])
+    return _importlib.import_module(f"mpolicy.{name}")  # Sets the attribute.
   if name in _REMOVED:
     raise AttributeError(f"mpolicy.{name} was removed: {_REMOVED[name]}.")
   raise AttributeError(f"module 'mpolicy' has no attribute {name!r}")
 
 
 def __dir__():
-  return sorted(set(globals()) | set(_LAZY))
+  return sorted(set(globals()) | set(_LAZY) | set(_DOORS))

@@ -1,6 +1,12 @@
 """Specification of CheckpointManager: the last N steps of a training loop."""
 
 import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import pytest
@@ -57,8 +63,22 @@ def test_nothing_saved_yet_is_named(tmp_path):
   manager = mpolicy.CheckpointManager(tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="no checkpoint in .*empty"):
     manager.restore(_tree(0))
-  with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+  with pytest.raises(FileNotFoundError, match=r"CheckpointManager.restore: "
+                     "no checkpoint of step 3 in .*empty; saved steps: none"):
     manager.restore(_tree(0), step=3)
+
+
+def test_a_step_never_saved_is_named_with_the_saved_ones(tmp_path):
+  manager = mpolicy.CheckpointManager(tmp_path)
+  for step in (10, 20):
+    manager.save(step, _tree(step))
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"CheckpointManager.restore: no checkpoint of step 7 in {tmp_path}; "
+      "saved steps: [10, 20].")):
+    manager.restore(_tree(0), step=7)
+  with pytest.raises(ValueError, match="step must be a whole number >= 0"):
+    manager.restore(_tree(0), step=-1)
+  assert manager.restore(_tree(0), step=10)["w"].tolist() == [10.] * 3
 
 
 @pytest.mark.parametrize("max_to_keep, error", [
@@ -68,7 +88,7 @@ def test_bad_settings_are_named(tmp_path, max_to_keep, error):
   with pytest.raises(error, match="max_to_keep must be a whole number >= 1, "
                      "or None to keep every step; got"):
     mpolicy.CheckpointManager(tmp_path, max_to_keep=max_to_keep)
-  with pytest.raises(TypeError, match="directory must be a path"):
+  with pytest.raises(TypeError, match="directory must be a directory path"):
     mpolicy.CheckpointManager(None)
 
 
@@ -110,3 +130,43 @@ def test_a_url_is_refused(tmp_path, monkeypatch):
                      "to a directory"):
     mpolicy.CheckpointManager("gs://bucket/run")
   assert os.listdir(tmp_path) == []
+
+
+def test_a_killed_save_leaves_scratch_that_the_next_save_removes(tmp_path):
+  """A save killed mid-write leaves its scratch directory, named for its
+  process; a later save (of any step) removes it once that process is gone,
+  and leaves the scratch of live processes and of other machines."""
+  script = textwrap.dedent(f"""
+      import os, signal, jax.numpy as jnp, mpolicy
+      from mpolicy._src.checkpoint import disk
+      write = disk.write
+      def write_then_die(*args):
+        write(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+      disk.write = write_then_die
+      mpolicy.save_checkpoint({str(tmp_path / "step_1")!r}, {{"w": jnp.ones(3)}})
+      """)
+  repo = pathlib.Path(mpolicy.__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(repo))
+  died = subprocess.run([sys.executable, "-c", script], env=env, timeout=300,
+                        capture_output=True, text=True)
+  assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+  (left,) = os.listdir(tmp_path)
+  assert re.fullmatch(r"\.step_1\.\d+@[0-9a-f]{8}\.\w+\.mpolicy-tmp", left)
+  assert os.listdir(tmp_path / left) == ["checkpoint"]  # Written, not placed.
+  machine = left.split("@")[1].split(".")[0]
+  alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  kept = [f".step_3.{alive.pid}@{machine}.abc.mpolicy-tmp",  # Another's save.
+          f".step_3.{os.getpid()}@{machine}.abc.mpolicy-tmp",  # This one's.
+          f".step_3.1@{int(machine, 16) ^ 1:08x}.abc.mpolicy-tmp",  # Elsewhere.
+          ".step_3.abc.mpolicy-tmp"]  # An older mpolicy's: its owner unknown.
+  try:
+    for name in kept:
+      (tmp_path / name).mkdir()
+    manager = mpolicy.CheckpointManager(tmp_path)
+    assert manager.all_steps() == []
+    manager.save(2, _tree(2))
+  finally:
+    alive.kill()
+    alive.wait()
+  assert sorted(os.listdir(tmp_path)) == sorted(kept + ["step_2"])

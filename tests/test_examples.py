@@ -330,7 +330,7 @@ def test_flax_example_runs_as_a_file(tmp_path):
   assert "[bf16] step     3/3" in out
 
 
-@pytest.mark.ci  # 4-5 s; the example runs as a file in CI's oldest job too: this in-process check once, in the newest.
+@pytest.mark.ci  # 4-5 s, once: in CI's newest job, beside the file's run.
 def test_flax_example_step_multiplies_in_bfloat16_and_updates_stats():
   pytest.importorskip("flax")
   flax_mlp = import_example("flax_mlp")
@@ -361,7 +361,7 @@ def test_equinox_example_runs_as_a_file(tmp_path):
   assert "| f32 |" not in out
 
 
-@pytest.mark.ci  # 4-5 s; the example runs as a file in CI's oldest job too: this in-process check once, in the newest.
+@pytest.mark.ci  # 4-5 s, once: in CI's newest job, beside the file's run.
 def test_equinox_example_step_multiplies_in_bfloat16():
   pytest.importorskip("equinox")
   equinox_mlp = import_example("equinox_mlp")

@@ -92,7 +92,8 @@ def test_a_missing_package_names_what_to_install():
       import mpolicy
       errors = {}
       for name in ("transform_amp", "with_policies", "make_train_step",
-                   "skip_nonfinite", "save_checkpoint", "CheckpointManager"):
+                   "skip_nonfinite", "save_checkpoint", "CheckpointManager",
+                   "training", "checkpoint", "debug"):
         try:
           getattr(mpolicy, name)
           errors[name] = None
@@ -116,6 +117,11 @@ def test_a_missing_package_names_what_to_install():
       "installed: pip install orbax-checkpoint")
   assert errors["CheckpointManager"][1].endswith(
       "pip install orbax-checkpoint")
+  assert errors["training"][1] == (
+      "mpolicy.training needs optax, which is not installed: "
+      "pip install optax")
+  assert errors["checkpoint"][1].endswith("pip install orbax-checkpoint")
+  assert errors["debug"] is None
 
 
 def _type_checking_imports() -> dict:
@@ -142,3 +148,29 @@ def test_every_public_name_is_listed_and_resolves():
   for name, (module, _) in mpolicy._LAZY.items():
     assert getattr(mpolicy, name) is getattr(sys.modules[module], name)
   assert "transform_amp" in vars(mpolicy)  # Cached: read once.
+
+
+def test_the_doors_are_attributes_loaded_on_first_use():
+  facts = _facts(f"""
+      import json, sys
+      import mpolicy
+      def loaded():
+        return [m for m in {OPTIONAL!r} if m in sys.modules]
+      seen = {{"import": loaded(),
+               "dir": [d for d in ("training", "debug", "checkpoint")
+                       if d in dir(mpolicy)]}}
+      seen["debug"] = [mpolicy.debug.explain is mpolicy.explain, loaded()]
+      seen["training"] = [
+          mpolicy.training.make_train_step is mpolicy.make_train_step,
+          loaded()]
+      seen["checkpoint"] = [
+          mpolicy.checkpoint.CheckpointManager is mpolicy.CheckpointManager,
+          loaded()]
+      print("FACTS=" + json.dumps(seen))
+      """)
+  assert facts["import"] == []
+  assert facts["dir"] == ["training", "debug", "checkpoint"]
+  assert facts["debug"] == [True, []]
+  assert facts["training"] == [True, ["optax"]]
+  assert facts["checkpoint"][0] is True
+  assert "haiku" not in facts["checkpoint"][1]

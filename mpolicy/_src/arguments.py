@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +30,8 @@ def describe(x: Any) -> str:
   """
   dtype = getattr(x, "dtype", None)
   if dtype is not None and hasattr(x, "shape"):
-    what = f"a {np.dtype(dtype).name}{list(np.shape(x))} array"
+    name = getattr(dtype, "name", None) or np.dtype(dtype).name  # key<fry>.
+    what = f"a {name}{list(np.shape(x))} array"
   else:
     text = repr(x)
     what = text if len(text) <= 60 else text[:57] + "..."
@@ -91,6 +93,28 @@ def require_whole(value: Any, least: int, what: str, more: str = "") -> int:
   if value < least:
     raise ValueError(error)
   return int(value)
+
+
+def require_key(key: Any, who: str, arg: str = "key") -> None:
+  """Raises a `TypeError` unless ``key`` is one JAX PRNG key: a typed key of
+  shape () (``jax.random.key(seed)``) or a raw uint32 one
+  (``jax.random.PRNGKey(seed)``), traced or not.
+
+  >>> require_key(0, "fake_quantize")
+  Traceback (most recent call last):
+  ...
+  TypeError: fake_quantize: key must be one JAX PRNG key, jax.random.key(seed) or jax.random.PRNGKey(seed), got 0 (int). An int is a seed: pass jax.random.key(0).
+  """
+  dtype, shape = getattr(key, "dtype", None), np.shape(key)
+  if dtype is not None and (
+      (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ())
+      or (dtype == np.uint32 and len(shape) == 1)):
+    return
+  seed = isinstance(key, numbers.Integral) and not isinstance(key, bool)
+  raise TypeError(
+      f"{who}: {arg} must be one JAX PRNG key, jax.random.key(seed) or "
+      f"jax.random.PRNGKey(seed), got {describe(key)}."
+      + (f" An int is a seed: pass jax.random.key({key})." if seed else ""))
 
 
 _FLOATING = "float16, bfloat16, float32, float64 or a float8 dtype"

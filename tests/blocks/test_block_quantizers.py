@@ -201,6 +201,23 @@ def test_errors_say_what_is_allowed():
     mpolicy.dequantize_blocks(x)
 
 
+@pytest.mark.parametrize("key, got", [
+    (0, r"got 0 \(int\)\. An int is a seed: pass jax\.random\.key\(0\)\."),
+    (jnp.ones(2), r"got a float32\[2\] array"),
+    (jax.random.split(jax.random.key(0)), r"got a key<fry>\[2\] array")])
+def test_a_key_that_is_not_one_prng_key_is_named(key, got):
+  x = jnp.ones((2, 32))
+  for fn in (mpolicy.fake_quantize, mpolicy.quantize_blocks):
+    with pytest.raises(TypeError, match=rf"{fn.__name__}: key must be one JAX "
+                       r"PRNG key, jax\.random\.key\(seed\) or "
+                       rf"jax\.random\.PRNGKey\(seed\), {got}"):
+      fn(x, "mxfp8", key=key)
+  typed = mpolicy.fake_quantize(x, "mxfp8", key=jax.random.key(3))
+  raw = mpolicy.fake_quantize(x, "mxfp8", key=jax.random.PRNGKey(3))
+  assert typed.dtype == raw.dtype == jnp.float32
+  np.testing.assert_array_equal(typed, raw)  # The same draws.
+
+
 def test_missing_float4_dtype_is_a_clear_error(monkeypatch):
   monkeypatch.delattr(jnp, "float4_e2m1fn")
   with pytest.raises(ImportError, match="no jnp.float4_e2m1fn.*use mxfp8"):

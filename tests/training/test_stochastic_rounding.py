@@ -175,6 +175,13 @@ def test_integer_input_is_rejected_with_what_is_accepted():
     mpolicy.stochastic_round(jnp.ones(2, jnp.int32), jnp.bfloat16, KEY)
 
 
+def test_an_int_seed_for_key_is_named():
+  with pytest.raises(TypeError, match=r"stochastic_round: key must be one JAX "
+                     r"PRNG key, .* got 7 \(int\)\. An int is a seed: pass "
+                     r"jax\.random\.key\(7\)\."):
+    mpolicy.stochastic_round(jnp.ones(2), jnp.bfloat16, 7)
+
+
 def test_vary_over_an_unbound_axis_says_where_to_call_it():
   with pytest.raises(ValueError, match=r"vary_over names \['d'\], which no "
                      r"enclosing shard_map or pmap binds"):

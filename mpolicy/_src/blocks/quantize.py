@@ -23,6 +23,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src.blocks import float32_ops
 from mpolicy._src.blocks import mx
 from mpolicy._src.blocks import nvfp4
@@ -90,9 +91,11 @@ def quantize_blocks(x: Any, fmt: Any, axis: int = -1, *,
     axis: the axis whose consecutive values share a scale.
     two_d: nvfp4 only: 16 x 16 tiles of the last two axes (``axis`` must be
       one of them), so ``x`` and its transpose are quantized alike.
-    key: a PRNG key for stochastic rounding of the elements (the scales do
-      not change); its draws are ``jax.random.uniform(key, x.shape)``.
-      ``None``: round to nearest, ties to even.
+    key: a JAX PRNG key (``jax.random.key(seed)`` or
+      ``jax.random.PRNGKey(seed)``, not an int seed) for stochastic rounding
+      of the elements (the scales do not change); its draws are
+      ``jax.random.uniform(key, x.shape)``. ``None``: round to nearest, ties
+      to even.
 
   Returns:
     A `BlockQuantized`.
@@ -100,11 +103,13 @@ def quantize_blocks(x: Any, fmt: Any, axis: int = -1, *,
   Raises:
     ValueError: an unknown format, an axis ``x`` lacks, or ``two_d`` with
       an MX format.
-    TypeError: ``x`` is not floating.
+    TypeError: ``x`` is not floating; ``key`` is not one PRNG key.
 
   See also: `dequantize_blocks`, `fake_quantize`.
   """
   fmt = get_format(fmt)
+  if key is not None:
+    arguments.require_key(key, "quantize_blocks")
   if two_d and not fmt.two_level:
     raise ValueError(f"two_d=True is for nvfp4's 16 x 16 weight tiles; "
                      f"{fmt.name} uses blocks of {fmt.block_size} along axis.")
@@ -167,4 +172,6 @@ def fake_quantize(x: Any, fmt: Any, axis: int = -1, *, two_d: bool = False,
   >>> fake_quantize(jnp.array([1.0, 0.3, -5.0, 7.0]), "mxfp4")
   Array([ 1.,  0., -4.,  8.], dtype=float32)
   """
+  if key is not None:
+    arguments.require_key(key, "fake_quantize")
   return dequantize_blocks(quantize_blocks(x, fmt, axis, two_d=two_d, key=key))

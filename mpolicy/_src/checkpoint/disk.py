@@ -13,24 +13,28 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
 import warnings
+import zlib
 
 import jax
 import numpy as np
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/")
+# A scratch directory: `.<name>.<pid>@<machine>.<random>.mpolicy-tmp`.
+_SCRATCH = re.compile(r"\..+\.(\d{1,9})@([0-9a-f]{8})\.[^.]+\.mpolicy-tmp")
 _LOCK = threading.Lock()  # orbax's save shares state between threads.
 
 
-def local_path(path: Any, what: str) -> str:
+def local_path(path: Any, what: str, arg: str = "path") -> str:
   """`path` made absolute; an error for what is not a local path."""
   if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"{what}: path must be a directory path (a str or an "
+    raise TypeError(f"{what}: {arg} must be a directory path (a str or an "
                     f"os.PathLike), got {type(path).__name__} {path!r:.80}.")
   url = _URL.match(str(os.fspath(path)))
   if url:
@@ -61,16 +65,40 @@ def locate(path: str, what: str) -> str:
   return found[0]
 
 
+def _machine() -> str:
+  """This machine and its pid namespace (where a pid names one process)."""
+  space = os.stat("/proc/self/ns/pid").st_ino if os.path.exists(
+      "/proc/self/ns/pid") else 0
+  return f"{zlib.crc32(f'{socket.gethostname()}/{space}'.encode()):08x}"
+
+
+def _dead(name: str) -> bool:
+  """Whether `name` is the scratch directory of a save that died: made on
+  this machine by a process that is gone (of another, nothing is known)."""
+  owner = _SCRATCH.fullmatch(name)
+  if os.name == "posix" and owner and owner.group(2) == _machine():
+    try:
+      os.kill(int(owner.group(1)), 0)  # Signal 0 only asks if it is there.
+    except ProcessLookupError:
+      return True
+    except OSError:  # Another user's.
+      pass
+  return False
+
+
 def scratch(path: str, overwrite: bool, what: str) -> str:
-  """A new directory beside `path`, free unless `overwrite`."""
+  """A new directory beside `path`, free unless `overwrite`, named for this
+  process; the scratch directories there of saves that died go."""
   if not overwrite and (os.path.lexists(path)
                         or os.path.lexists(old_path(path))):
     raise FileExistsError(f"{what}: {path} already exists; pass "
                           "overwrite=True to replace it, or choose a new path.")
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
-  return tempfile.mkdtemp(prefix=f".{name}.", suffix=".mpolicy-tmp",
-                          dir=parent)
+  for stale in filter(_dead, os.listdir(parent)):
+    shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+  return tempfile.mkdtemp(prefix=f".{name}.{os.getpid()}@{_machine()}.",
+                          suffix=".mpolicy-tmp", dir=parent)
 
 
 def place(staged: str, path: str, overwrite: bool, what: str) -> None:

@@ -197,10 +197,8 @@ class CheckpointManager:
 
   def __init__(self, directory: str | os.PathLike[str],
                max_to_keep: Optional[int] = 3):
-    if not isinstance(directory, (str, os.PathLike)):
-      raise TypeError("CheckpointManager: directory must be a path (a str or "
-                      f"an os.PathLike), got {type(directory).__name__}.")
-    self.directory = disk.local_path(directory, "CheckpointManager")
+    self.directory = disk.local_path(directory, "CheckpointManager",
+                                     "directory")
     self.max_to_keep = max_to_keep if max_to_keep is None else (
         arguments.require_whole(max_to_keep, 1, "CheckpointManager: "
                                 "max_to_keep", ", or None to keep every step"))
@@ -242,9 +240,12 @@ class CheckpointManager:
   def restore(self, template: Any, step: Optional[int] = None) -> Any:
     """Loads `step`'s checkpoint (the latest by default) into `template`
     (see `restore_checkpoint`); `FileNotFoundError` if there is none."""
-    step = self.latest_step() if step is None else step
-    if step is None:
+    steps = self.all_steps()
+    step = steps[-1] if step is None and steps else step
+    path = None if step is None else self.path(step)  # A bad step named.
+    if step not in steps:  # Or none saved yet.
+      of = "" if step is None else f" of step {step}"
       raise FileNotFoundError(
-          f"CheckpointManager.restore: no checkpoint in {self.directory} "
-          "(nothing saved yet: start from a fresh state).")
-    return restore_checkpoint(self.path(step), template)
+          f"CheckpointManager.restore: no checkpoint{of} in {self.directory};"
+          f" saved steps: {steps or 'none yet (start from a fresh state)'}.")
+    return restore_checkpoint(path, template)

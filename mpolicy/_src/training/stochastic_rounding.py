@@ -35,6 +35,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import jax_compat
 
@@ -195,7 +196,8 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array, *,
     x: a float32 array (a bfloat16 or float16 one is read as float32; one
       already in `dtype` comes back unchanged).
     dtype: `jnp.bfloat16` or `jnp.float16`.
-    key: a JAX PRNG key.
+    key: a JAX PRNG key (``jax.random.key(seed)`` or
+      ``jax.random.PRNGKey(seed)``; an int seed is refused).
     vary_over: the mesh axes (a name or a tuple of names) `x` holds
       different values over, inside `shard_map` or `pmap`; added to those
       `x`'s type names with `check_vma=True`. None: only those.
@@ -206,8 +208,9 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array, *,
   Raises:
     ValueError: `dtype` is not bfloat16 or float16, or `vary_over` names
       an axis no enclosing `shard_map` / `pmap` binds.
-    TypeError: `x` is not a float32, bfloat16 or float16 array, or
-      `vary_over` is not an axis name or a tuple of them.
+    TypeError: `x` is not a float32, bfloat16 or float16 array, `key` is
+      not one PRNG key, or `vary_over` is not an axis name or a tuple of
+      them.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jnp.full(10_000, 1 + 2.0**-10)  # A quarter of a bfloat16 step.
@@ -222,6 +225,7 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array, *,
   """
   x = jnp.asarray(x)
   dtype = _check(x, dtype)
+  arguments.require_key(key, "stochastic_round")
   key = device_key(key, x, vary_over)
   if x.dtype == dtype:
     return x
