@@ -218,8 +218,7 @@ class CheckpointManager:
 
   def latest_step(self) -> Optional[int]:
     """The newest step with a checkpoint, or None."""
-    steps = self.all_steps()
-    return steps[-1] if steps else None
+    return max(self.all_steps(), default=None)  # all_steps is sorted.
 
   def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
     """Saves `tree` as `step`'s checkpoint (see `save_checkpoint`; a step
