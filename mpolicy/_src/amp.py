@@ -250,7 +250,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   return jax.tree_util.tree_unflatten(out_trees[-1], final)
 
 
-def amp(fn: Callable[..., Any], policy=None, *,
+def amp(fn: Callable[..., Any], policy: Any = None, *,
         rules: Optional[op_rules_lib.OpRules] = None) -> Callable[..., Any]:
   """Runs each primitive of ``fn`` in the dtype the op rules give it.
 
@@ -324,11 +324,11 @@ class full_precision(contextlib.ContextDecorator):  # pylint: disable=invalid-na
   def __new__(cls, fn: Optional[Callable[..., Any]] = None):
     self = super().__new__(cls)
     if fn is not None:  # Used bare, as `@full_precision`.
-      self.__init__()
+      self.__init__()  # type: ignore[misc]
       return self(fn)
     return self
 
-  def __init__(self, fn: Optional[Callable[..., Any]] = None):
+  def __init__(self, fn: Optional[Callable[..., Any]] = None) -> None:
     del fn
     self._stack: list[contextlib.ExitStack] = []
 

@@ -35,7 +35,8 @@ _WHY = {
 }
 
 
-def class_entry(cls: type, table: dict, root: type) -> Optional[type]:
+def class_entry(cls: type, table: dict,
+                root: Optional[type]) -> Optional[type]:
   """The nearest class in ``cls``'s MRO with an entry in ``table``.
 
   The walk stops at ``root``: its entry is the default (rule 4), which an
@@ -98,7 +99,7 @@ class TableMatch:
     """The winning entry in words: ``pattern 'enc'``, ``class hk.Linear``,
     ``default hk.Module``."""
     kind = {1: "pattern", 2: "class", 4: "default"}[self.rule]
-    return f"{kind} {registry.key_name(self.key)}"
+    return f"{kind} {registry.key_name(self.key)}"  # type: ignore[arg-type]  # Rules 1-4 have one.
 
   def candidates(self) -> tuple[str, ...]:
     """Every entry that matched, most specific first, as names."""
@@ -134,7 +135,7 @@ def decide(name: Optional[str], cls: Optional[type], root: Optional[type],
 
 
 def region_for_call(name: str, cls: type,
-                    enclosing: Optional[regions.Region], root: type
+                    enclosing: Optional[regions.Region], root: Optional[type]
                     ) -> Optional[regions.Region]:
   """Which policy governs a call of module ``name`` of class ``cls``.
 
@@ -168,14 +169,14 @@ def region_for_call(name: str, cls: type,
           module_name=name, module_class=registry.key_name(cls),
           inherited=True)
   region = default if region is None else region
-  if region is not None:
+  if region is not None and region.policy is not None:
     policy_lib.require_x64(region.policy,
                            f"module {name!r} ({region.decided_by})")
   return region
 
 
 @functools.lru_cache(maxsize=4096)
-def _regions_for(state: tuple, name: str, cls: type, root: type
+def _regions_for(state: tuple, name: str, cls: type, root: Optional[type]
                  ) -> tuple[Optional[regions.Region], Optional[regions.Region]]:
   """The regions the table (``state``: `registry.state`) gives a call of
   module ``name`` of class ``cls`` without an enclosing call: its own entry
@@ -275,7 +276,7 @@ def explain_policy(module_name_or_class: Union[str, type],
         f"explain_policy: module_class must be a {kinds} module class; got "
         f"{cls!r}.")
   decision = decide(name, cls, framework.root())
-  subject = name if name is not None else registry.key_name(cls)
+  subject = name if name is not None else registry.key_name(cls)  # type: ignore[arg-type]  # The class given.
   if decision.rule == 5:
     return PolicyExplanation(
         policy=None, key=None, rule=5, candidates=(),

@@ -182,16 +182,16 @@ def vary_replicated(args: tuple, argnums: Any, axis_name: Any
   else:
     axes = ()
 
-  args = list(args)
+  new_args = list(args)
   per_device = []
   for i, tree in zip(nums, trees):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     marked = [bool(axes) and _work_dtype(x, None) is not None for x in leaves]
-    args[i] = treedef.unflatten([
+    new_args[i] = treedef.unflatten([  # type: ignore[attr-defined]  # jaxlib: no stubs.
         jax_compat.make_varying(x, axes) if m else x
         for x, m in zip(leaves, marked)])
-    per_device.append(treedef.unflatten([axes if m else () for m in marked]))
-  return tuple(args), (per_device[0] if isinstance(argnums, int)
+    per_device.append(treedef.unflatten([axes if m else () for m in marked]))  # type: ignore[attr-defined]  # jaxlib: no stubs.
+  return tuple(new_args), (per_device[0] if isinstance(argnums, int)
                        else tuple(per_device))
 
 
@@ -252,12 +252,12 @@ def agree_everywhere(finite: jax.Array) -> jax.Array:
             | (jax_compat.bound_axis_names() - jax_compat.manual_axes()))
   else:
     axes = jax_compat.bound_axis_names()
-  axes = tuple(sorted(axes, key=str))
-  if not axes:
+  ordered = tuple(sorted(axes, key=str))
+  if not ordered:
     return finite
   # pmin over an int: integers reduce exactly; bools are not reducible
   # everywhere.
-  return lax.pmin(finite.astype(jnp.int32), axes).astype(jnp.bool_)
+  return lax.pmin(finite.astype(jnp.int32), ordered).astype(jnp.bool_)
 
 
 def vary_like(tree: PyTree, fn: Any, *args: Any) -> PyTree:

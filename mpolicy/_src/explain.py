@@ -179,7 +179,7 @@ class Report:
     return "\n".join(out)
 
 
-def explain(fn: Callable[..., Any], *args, **kwargs) -> Report:
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
   """Traces ``fn(*args, **kwargs)`` and reports the dtype of every primitive.
 
   ``fn`` is an `amp`-ed function or the ``apply`` of `transform_amp` (or

@@ -216,7 +216,8 @@ class Fp8Report:
     return "\n".join(out)
 
 
-def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
+def fp8_stats(fn: Callable[..., Any], *args: Any,
+              **kwargs: Any) -> Fp8Report:
   """Runs ``fn(*args, **kwargs)`` forward and backward on a probe batch and
   reports, per float8 or block-format op and per format, what quantization
   lost.
@@ -250,7 +251,8 @@ def fp8_stats(fn: Callable[..., Any], *args, **kwargs) -> Fp8Report:
 
   Args:
     fn: the function, as you would call it.
-    *args, **kwargs: a probe batch: its arguments.
+    *args: a probe batch: its positional arguments.
+    **kwargs: its keyword arguments.
 
   Returns:
     An `Fp8Report`.

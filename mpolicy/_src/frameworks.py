@@ -177,7 +177,8 @@ def loaded_bridges() -> list:
   True
   """
   return [importlib.import_module(framework.interceptor)
-          for framework in WITH_CLASS_POLICIES if framework.loaded()]
+          for framework in WITH_CLASS_POLICIES
+          if framework.loaded() and framework.interceptor is not None]
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ from mpolicy._src import registry
 def _answer_warningregistry_on_flax_stand_in() -> None:
   stand_in = sys.modules.get("haiku.experimental.flax")
   if stand_in is not None and type(stand_in).__name__ == "FlaxNotInstalled":
-    stand_in.__warningregistry__ = {}
+    stand_in.__warningregistry__ = {}  # type: ignore[attr-defined]
 
 
 _answer_warningregistry_on_flax_stand_in()

@@ -413,11 +413,11 @@ amp_primitive.install_replay(replay_binding)
 def _step(env: Env, eqn, invals, names, config: Config, eq, rule) -> list:
   """Runs ``eqn`` of a replayed program: as `Step.binds` says, by its step
   rule, else as one."""
-  bind = (config.step.binds or {}).get(eqn.primitive)
+  bind = (config.step.binds or {}).get(eqn.primitive)  # type: ignore[union-attr]  # Set while replayed.
   if bind is not None:
     return list(bind(eqn, invals))
   step_rule = (None if rule is None else
-               stepping.rule_for(eqn.primitive, config.step.traced))
+               stepping.rule_for(eqn.primitive, config.step.traced))  # type: ignore[union-attr]  # Set while replayed.
   if step_rule is not None:
     reads = None if eq is None else eq.outs_read
     outs = step_rule(Stepper(config, names, eqn, eq, reads), eqn, invals)
@@ -442,7 +442,7 @@ class Stepper:
     """Replays ``sub`` (an open or closed jaxpr) on ``args``."""
     jaxpr, consts = ((sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts")
                      else (sub, []))
-    step = self._config.step
+    step: Step = self._config.step  # type: ignore[assignment]  # Set while replayed.
     inner = dataclasses.replace(
         step, transforms=step.transforms + jax_compat.eqn_transforms(
             self.eqn),
@@ -474,7 +474,7 @@ def _forward_read(jaxpr, step: Step) -> set:
   """The variables of ``jaxpr`` that equations outside the backward pass
   read; its outputs count where ``step.outs_read`` says the enclosing
   equation's results are so read."""
-  outs_read = step.outs_read
+  outs_read: Optional[Sequence[bool]] = step.outs_read
   if outs_read is None:
     outs_read = ["transpose" not in step.transforms] * len(jaxpr.outvars)
   found = {v for v, read in zip(jaxpr.outvars, outs_read)
@@ -496,7 +496,7 @@ def _dead_after(jaxpr) -> list[list]:
         last[var] = n
   for var in jaxpr.outvars:
     last.pop(var, None)
-  found = [[] for _ in jaxpr.eqns]
+  found: list[list] = [[] for _ in jaxpr.eqns]
   for var, n in last.items():
     found[n].append(var)
   return found

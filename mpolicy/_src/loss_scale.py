@@ -199,7 +199,7 @@ class DynamicLossScale:
   See also: `all_finite`, `select_tree`, `StaticLossScale`.
   """
   loss_scale: jax.Array
-  counter: jax.Array = 0
+  counter: jax.Array | int = 0
   period: int = 2000
   factor: int | float = 2
   min_loss_scale: Any = 1.0
@@ -247,12 +247,12 @@ class DynamicLossScale:
     if not isinstance(self.min_loss_scale, (int, float, np.generic)):
       set_("min_loss_scale", floor[()])
 
-  def tree_flatten(self):
+  def tree_flatten(self) -> tuple[tuple, tuple]:
     return ((self.loss_scale, self.counter),
             (self.period, self.factor, self.min_loss_scale))
 
   @classmethod
-  def tree_unflatten(cls, aux, children) -> DynamicLossScale:
+  def tree_unflatten(cls, aux: tuple, children: tuple) -> DynamicLossScale:
     obj = object.__new__(cls)
     for name, value in zip(("loss_scale", "counter"), children):
       object.__setattr__(obj, name, value)

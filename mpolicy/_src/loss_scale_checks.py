@@ -93,7 +93,7 @@ def check_factor(factor: Any) -> int | float:
   bad_type = (isinstance(factor, (bool, np.bool_, str, bytes))
               or concrete(factor) is None)
   a = None if bad_type else concrete(factor)
-  if bad_type or a.ndim != 0 or not (
+  if a is None or a.ndim != 0 or not (
       jnp.issubdtype(a.dtype, jnp.floating)
       or jnp.issubdtype(a.dtype, jnp.integer)):
     raise TypeError(

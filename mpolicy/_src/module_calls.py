@@ -116,12 +116,13 @@ class Interceptor:
     region = None
     if not _in_full_precision(enclosing):
       region = class_lookup.region_for_call(
-          self.framework.module_path(module), type(module), enclosing,
+          self.framework.module_path(module), type(module), enclosing,  # type: ignore[misc]
           self.framework.root())
     if region is None:
       with CALLS.entered(None):
         return next_f(*args, **kwargs)
     policy = region.policy
+    assert policy is not None  # Only `full_precision()` regions have none.
     with regions.policy_casts("inputs"):
       args, kwargs = policy.cast_to_compute((args, kwargs))
     with CALLS.entered(region), regions.tagged(region):

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import jax.numpy as jnp
 
@@ -221,8 +221,11 @@ class _State(threading.local):
 _state = _State()
 
 
+_O = TypeVar("_O", bound=Observer)
+
+
 @contextlib.contextmanager
-def watching(observer: Observer) -> Iterator[Observer]:
+def watching(observer: _O) -> Iterator[_O]:
   """Tells ``observer`` about every equation the interpreter runs inside."""
   prev = (_state.observers, _state.runs, _state.sites)
   _state.observers, _state.runs = prev[0] + (observer,), 0
@@ -311,8 +314,10 @@ def quantization_site(scope: str, primitive: str,
   `Observer.quantized`."""
   if not any(_wants_quantizations(o) for o in _state.observers):
     return None
-  label = f"{len(_state.sites)}:{scope or '-'}/{primitive}"
-  _state.sites[label] = QuantizedOp(_state.open[-1] if _state.open else None,
+  sites = _state.sites
+  assert sites is not None  # Set by `watching`, as observers are.
+  label = f"{len(sites)}:{scope or '-'}/{primitive}"
+  sites[label] = QuantizedOp(_state.open[-1] if _state.open else None,
                                     scope, primitive, shapes)
   return label
 

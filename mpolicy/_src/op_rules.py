@@ -309,7 +309,7 @@ class OpRules:
     See also: `OpRules.with_ops`, `explain` (which names ``fn``).
     """
     if not isinstance(name, str) or not name:
-      hint = (f" (use {name.name!r})" if isinstance(getattr(name, "name", None),
+      hint = (f" (use {name.name!r})" if isinstance(getattr(name, "name", None),  # type: ignore[attr-defined]
                                                      str) else "")
       raise TypeError(
           f"OpRules.with_rule(name=...): the primitive's name must be a "
@@ -370,7 +370,7 @@ class OpRules:
     Raises:
       ValueError: an option outside the values above.
     """
-    changes = {k: v for k, v in (("matmuls", matmuls), ("scaling", scaling))
+    changes: dict[str, Any] = {k: v for k, v in (("matmuls", matmuls), ("scaling", scaling))
                if v is not None}
     if min_size is not fp8_placement.UNSET:
       changes["min_size"] = min_size

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, TypeVar
+from typing import Any, TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +225,9 @@ class Policy:
   param_dtype: Any
   compute_dtype: Any
   output_dtype: Any
+  if TYPE_CHECKING:  # Set by __post_init__.
+    _dtypes: tuple = dataclasses.field(init=False)
+    _hash: int = dataclasses.field(init=False)
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str) and (

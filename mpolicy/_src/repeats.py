@@ -21,7 +21,7 @@ program is replayed, or where a block format draws random keys by place.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import dataclasses
 import re
 from typing import Any, Optional
@@ -56,7 +56,8 @@ class Repeat:
   name: str
 
 
-def _units(names: Sequence[tuple], lo: int, hi: int, depth: int):
+def _units(names: Sequence[tuple], lo: int, hi: int,
+           depth: int) -> Iterator[int | tuple[int, int, int]]:
   """Splits equations ``lo:hi`` (sharing ``depth`` scope names) into loose
   equations (ints) and runs ``(start, end, depth + 1)``: the consecutive
   equations under the same next scope name (a module call's, a region
@@ -83,7 +84,8 @@ def _all_runs(names, lo, hi, depth, found: list) -> None:
 
 def _boundary(eqns, start: int, end: int, last_read: dict, returned: set):
   """The variables a run reads from before it and those read after it."""
-  defined, inputs = set(), {}
+  defined: set = set()
+  inputs: dict = {}
   for eqn in eqns[start:end]:
     for v in eqn.invars:
       if not isinstance(v, jax_compat.Literal) and v not in defined:
@@ -103,9 +105,10 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
   if len(eqns) < 2 * MIN_EQNS or observe.active():
     return None
   names = [jax_compat.eqn_scope_names(e) for e in eqns]
-  candidates = []
+  candidates: list = []
   _all_runs(names, 0, len(eqns), 0, candidates)
-  seen, shapes = set(), {}
+  seen: set = set()
+  shapes: dict = {}
   for s, e, d in candidates:
     if e - s >= MIN_EQNS and (s, e) not in seen:  # A call and its only
       seen.add((s, e))                            # inner call: once.
@@ -116,7 +119,8 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
   last_read = {v: n for n, eqn in enumerate(eqns) for v in eqn.invars
                if not isinstance(v, jax_compat.Literal)}
   runs: dict = {}
-  counts, memo = {}, {}
+  counts: dict = {}
+  memo: dict = {}
   for group in shapes.values():
     for s, e, d in group if len(group) > 1 else ():
       run = _keyed(eqns, names, s, e, d, prefix, region_of, full_only,
@@ -126,7 +130,7 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
         counts[run.key] = counts.get(run.key, 0) + 1
   if not any(c > 1 for c in counts.values()):
     return None
-  out = []
+  out: list = []
   _emit(names, 0, len(eqns), 0, runs, counts, out)
   # A run whose copies all sit inside other shared runs is one call here:
   # inline it.
@@ -217,7 +221,7 @@ class _Body:
 
   def __init__(self, run: Repeat, in_marks, evaluate, new_env):
     self.run, self.in_marks = run, in_marks
-    self.out_marks = None
+    self.out_marks: Optional[list] = None
     self._evaluate, self._new_env = evaluate, new_env
 
     def body(*args):
@@ -253,6 +257,6 @@ def call(run: Repeat, env, cache: dict, evaluate, new_env) -> list:
   widers = [env.wider_source(x) for x, m in zip(values, in_marks) if m[3]]
   res = body.jitted(*values, *widers)
   outs, extra = res[:len(run.outputs)], iter(res[len(run.outputs):])
-  for o, marks in zip(outs, body.out_marks):
+  for o, marks in zip(outs, body.out_marks):  # type: ignore[arg-type]  # Set by the trace.
     _mark(env, o, marks, next(extra) if marks[3] else None)
   return outs

@@ -57,12 +57,12 @@ class BlockQuantized:
   axis: int
   two_d: bool = False
 
-  def tree_flatten(self):
+  def tree_flatten(self) -> tuple[tuple, tuple]:
     return ((self.elements, self.scales, self.tensor_scale),
             (self.fmt, self.axis, self.two_d))
 
   @classmethod
-  def tree_unflatten(cls, aux, children):
+  def tree_unflatten(cls, aux: tuple, children: tuple) -> BlockQuantized:
     return cls(*children, *aux)
 
   @property
@@ -157,7 +157,7 @@ def _dequantize(q: BlockQuantized) -> jax.Array:
   elements = layout.split(q.elements)
   grid = layout.scales_to_grid(q.scales)
   if q.fmt.two_level:
-    values = nvfp4.dequantize(elements, grid, q.tensor_scale)
+    values = nvfp4.dequantize(elements, grid, q.tensor_scale)  # type: ignore[arg-type]  # Two-level: set.
   else:
     values = mx.dequantize(elements,
                            lax.bitcast_convert_type(grid, jnp.uint8))

@@ -21,7 +21,7 @@ def _block(data: np.ndarray, starts: list[int], shape: tuple) -> int:
   else:
     raw = data.reshape(-1).view(np.uint8).reshape(data.size, data.itemsize)
     words = np.pad(raw, ((0, 0), (0, -data.itemsize % 8))).view("<u8")
-  grid = np.indices(data.shape, sparse=True)
+  grid: tuple = np.indices(data.shape, sparse=True)
   place = np.ravel_multi_index([g + s for g, s in zip(grid, starts)], shape)
   weights = ((place.reshape(-1, 1).astype(_U64) * _U64(words.shape[1])
               + np.arange(words.shape[1], dtype=_U64))
@@ -57,7 +57,7 @@ def part(leaf: Any, dtype: Optional[str]) -> int:
 def parts(flat: dict, described: dict) -> dict[str, dict[str, int]]:
   """`part` of each leaf, its dtype `described[key][0]`: under "whole"
   where this process holds the leaf whole, else under "part"."""
-  out = {"whole": {}, "part": {}}
+  out: dict[str, dict[str, int]] = {"whole": {}, "part": {}}
   for key, leaf in flat.items():
     whole = getattr(leaf, "is_fully_addressable", True)
     out["whole" if whole else "part"][key] = part(leaf, described[key][0])

@@ -154,7 +154,7 @@ def read(path: str, group, what: str, target: Optional[dict] = None) -> Any:
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:  # pylint: disable=broad-except
       failure = e
-    error = failure  # Drop its frames, then collect what only they held.
+    error: Optional[BaseException] = failure  # Drop its frames, then collect what only they held.
     while error is not None:
       error.__traceback__, error = None, error.__cause__ or error.__context__
     for _ in range(4) if target is not None else ():  # Let reads in flight end.

@@ -90,7 +90,7 @@ def _array_like(template: Any, restored: Any) -> jax.Array:
   if (isinstance(template, jax.Array) and not template.committed
       and jax.device_count() > 1):  # Free, as a fresh array, to join others.
     restored = jax.random.wrap_key_data(
-        np.asarray(jax.random.key_data(restored)),
+        np.asarray(jax.random.key_data(restored)),  # type: ignore[arg-type]  # Any array.
         impl=jax.random.key_impl(restored)) if is_key(restored) else (
             jnp.asarray(np.asarray(restored)))
   if (getattr(template, "weak_type", False) and restored.ndim == 0

@@ -74,7 +74,7 @@ class Processes:
 
   def _get(self, key: str) -> str:
     try:
-      return self._client.blocking_key_value_get(key, TIMEOUT_S * 1000)
+      return self._client.blocking_key_value_get(key, TIMEOUT_S * 1000)  # type: ignore[union-attr]
     except Exception as e:  # pylint: disable=broad-except
       raise TimeoutError(
           f"{self.what}: process {key.rsplit('/', 1)[1]} of {self.count} did "

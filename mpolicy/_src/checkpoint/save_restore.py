@@ -105,7 +105,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Any, *,
     group.step(lambda: see(shared[0]["scratch"]))
     staged = os.path.join(shared[0]["scratch"], "checkpoint")
     disk.write(staged, flat, meta, group)
-    group.step(lambda: (disk.place(staged, dest, overwrite, what)
+    group.step(lambda: (disk.place(staged, dest, overwrite, what)  # type: ignore[func-returns-value]
                         if group.primary else None, None))
   finally:
     for scratch in made:
@@ -196,7 +196,7 @@ class CheckpointManager:
   _STEP = re.compile(r"step_(\d+)|\.step_(\d+)\.mpolicy-old")
 
   def __init__(self, directory: str | os.PathLike[str],
-               max_to_keep: Optional[int] = 3):
+               max_to_keep: Optional[int] = 3) -> None:
     self.directory = disk.local_path(directory, "CheckpointManager",
                                      "directory")
     self.max_to_keep = max_to_keep if max_to_keep is None else (
@@ -216,14 +216,14 @@ class CheckpointManager:
 
   def latest_step(self) -> Optional[int]:
     """The newest step with a checkpoint, or None."""
-    return (self.all_steps() or [None])[-1]
+    return max(self.all_steps(), default=None)  # all_steps is sorted.
 
   def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
     """Saves `tree` as `step`'s checkpoint (see `save_checkpoint`; a step
     saved before needs `overwrite=True`); keeps the newest `max_to_keep`."""
     save_checkpoint(self.path(step), tree, overwrite=overwrite)
     group = processes.Processes("CheckpointManager.save")
-    group.step(lambda: (self._prune() if group.primary else None, None))
+    group.step(lambda: (self._prune() if group.primary else None, None))  # type: ignore[func-returns-value]
 
   def _prune(self) -> None:
     if self.max_to_keep is None:

@@ -287,13 +287,14 @@ class Checker(observe.Observer):
 
   def carried(self, eq: observe.Equation, outs):
     body = self._body
+    assert body is not None  # Set by `per_device`.
     body.out_ids = [self.vid(o) for o in outs]
     return (jnp.stack(body.checks) if body.checks
             else jnp.zeros((0,), bool))
 
   def devices_ran(self, eq: observe.Equation, per_device, outs) -> None:
     body, self._body = self._body, None
-    made = self._replay(body, per_device)
+    made = self._replay(body, per_device)  # type: ignore[arg-type]  # Set by `per_device`.
     event = self.event(eq)
     for parts, value in zip(made, outs):
       vid = self._name(value)

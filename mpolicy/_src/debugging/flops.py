@@ -23,7 +23,7 @@ from mpolicy._src import dtypes
 def by_dtype(counts) -> dict[str, int]:
   """Matmul FLOPs by the dtype they multiply in (``counts``: a checker's
   `flops`)."""
-  into = collections.Counter()
+  into: collections.Counter[str] = collections.Counter()
   for (_, dtype), n in counts.items():
     into[dtype] += n
   return dict(into)
@@ -33,7 +33,7 @@ def by_module(counts, found: list) -> dict[str, int]:
   """Matmul FLOPs by the module whose own op made them (forward and
   backward): ``found`` is the `sites.tagging` list the program was traced
   with; ``""``: outside any module."""
-  into = collections.Counter()
+  into: collections.Counter[str] = collections.Counter()
   for (index, _), n in counts.items():
     into[found[index].path if index is not None else ""] += n
   return dict(into)

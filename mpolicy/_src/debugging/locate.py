@@ -163,7 +163,7 @@ def _cotangent_of(found: list, index: int) -> int:
   return index
 
 
-def locate_nonfinite(fn: Callable[..., Any], *args, grad: bool = True,
+def locate_nonfinite(fn: Callable[..., Any], *args: Any, grad: bool = True,
                      loss_scale: Any = None) -> Optional[NonFiniteReport]:
   """Finds the first non-finite value of ``fn``'s loss or its gradients.
 
@@ -247,7 +247,7 @@ def first_nonfinite(call: program_lib.Call, run: program_lib.Run, grad: bool,
   if not chosen:  # Nothing but the output itself: an unchecked op.
     return NonFiniteReport("unknown", "", "forward", "", "", None, None,
                            False, outputs=outputs), None
-  entry = min(chosen, key=lambda o: o.order).entry
+  entry = min(chosen, key=lambda o: o.order).entry  # type: ignore[union-attr]  # Nones left out.
   event = checker.events[entry.event]
   if event.primitive == "input":
     x = call.arrays[call.paths.index(event.where)]

@@ -201,7 +201,7 @@ class ShadowReport:
                   if self.grad_rel_error is not None else ""))
     return "\n".join(out)
 
-  def plot(self, path: Optional[str] = None, top: int = 20):
+  def plot(self, path: Optional[str] = None, top: int = 20) -> Any:
     """A bar chart of the largest errors (matplotlib); saved to ``path``
     if given. Returns the figure."""
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -270,7 +270,8 @@ class Outputs:
     self._left: set[int] = set()
     self._read_by: set[tuple] = set()
     self._count: collections.Counter = collections.Counter()
-    self._kept = {"forward": ({}, {}), "backward": ({}, {})}
+    self._kept: dict[str, tuple[dict, dict]] = {
+        "forward": ({}, {}), "backward": ({}, {})}
     self.values, self.reads = self._kept["forward"]
     self.backward_values, self.backward_reads = self._kept["backward"]
     self.dtypes: dict[tuple, set] = collections.defaultdict(set)
@@ -396,7 +397,7 @@ def _module_of(param: str, modules: set) -> Optional[str]:
   return None
 
 
-def compare_to_float32(fn: Callable[..., Any], *args, grad: bool = True,
+def compare_to_float32(fn: Callable[..., Any], *args: Any, grad: bool = True,
                        loss_scale: Any = None) -> ShadowReport:
   """Compares each module's outputs (and its parameters' gradients) with
   a float32 shadow of the same computation.
@@ -483,13 +484,14 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
     g = Error.of(*grads[unit[0]]) if unit[0] in grads and unit[0] else None
     rows.append(ShadowRow(
         path=unit[0], op=unit[1],
-        rel_error=out and out.rel_error, bias=out and out.bias,
-        noise=out and out.noise, grad_rel_error=g and g.rel_error,
-        input_rel_error=inp and inp.rel_error,
+        rel_error=out.rel_error if out else None,
+        bias=out.bias if out else None, noise=out.noise if out else None,
+        grad_rel_error=g.rel_error if g else None,
+        input_rel_error=inp.rel_error if inp else None,
         values=out.values if out else 0,
         dtype=",".join(sorted(got_out.dtypes[unit])),
-        backward_rel_error=b_out and b_out.rel_error,
-        backward_input_rel_error=b_inp and b_inp.rel_error))
+        backward_rel_error=b_out.rel_error if b_out else None,
+        backward_input_rel_error=b_inp.rel_error if b_inp else None))
   rows = [r for r in rows if r.values or r.grad_rel_error is not None]
   # Largest error first; of equal ones, the one given the most accurate
   # inputs (its own doing rather than passed on).
@@ -498,7 +500,7 @@ def report_of(call: program_lib.Call, got: program_lib.Run,
                            -(r.grad_rel_error or 0.0)))
   total = Error.of(got.outs[1:], want.outs[1:]) if grad else None
   return ShadowReport(tuple(rows), float(got.outs[0]), float(want.outs[0]),
-                      total and total.rel_error)
+                      total.rel_error if total else None)
 
 
 def _grads_by_module(call, got: list, want: list, modules: set) -> dict:

@@ -124,7 +124,7 @@ def children(path: str, modules) -> tuple[str, ...]:
     if inner.startswith(outer + "/"):
       return True
     a, b = scopes.get(outer), scopes.get(inner)
-    return bool(a) and b is not None and len(b) > len(a) and (
+    return a is not None and b is not None and 0 < len(a) < len(b) and (
         b[:len(a)] == a)
 
   inside = [m for m in modules if within(m, path)]
@@ -217,7 +217,7 @@ class PolicySuggestion:
     for key, value in _entries(self.policy, self.island_policy, self.roots,
                                self.float32_paths, self.kept):
       name = registry.key_name(key) if isinstance(key, type) else repr(key)
-      reason = why.get(key if isinstance(key, str) else None)
+      reason = why.get(key) if isinstance(key, str) else None
       lines.append(f"mpolicy.set_policy({name}, \"{value}\")"
                    + (f"  # {reason}" if reason and value == self.island_policy
                       else ""))
@@ -273,7 +273,7 @@ class _Search:
     self.loss_scale = loss_scale
     self.roots, self.max_evals = roots, max_evals
     self.evals = 0
-    self.reference = None
+    self.reference: Optional[program_lib.Run] = None
     # Module path -> the scope names of its call (of a first run).
     self.modules: dict[str, tuple[str, ...]] = {}
 
@@ -301,26 +301,26 @@ class _Search:
     if not self.modules:
       self.modules = module_scopes(run.sites)
     finite = program_lib.all_finite(run.outs)
-    want = self.reference.outs
+    want = self.reference.outs  # type: ignore[union-attr]  # Run first.
     value = (shadow.Error.of(run.outs[:1], want[:1]) if finite else None)
     grads = (shadow.Error.of(run.outs[1:], want[1:]) if finite else None)
     first = (None if finite else
              locate.first_nonfinite(self.call, run, True,
-                                    self.loss_scale)[0])
+                                    self.loss_scale)[0])  # type: ignore[index]  # Not finite.
     inf = float("inf")
     return Measured(
         islands, finite, value.rel_error if value else inf,
         grads.rel_error if grads else (0.0 if finite else inf),
         flops.half_fraction(run.checker.flops), first), run
 
-  def ranked(self, run, islands) -> list[tuple[str, float, Any]]:
+  def ranked(self, run, islands) -> list[tuple[str, str]]:
     """Modules not yet islands, by the error they add per share of the
     matmul FLOPs they would take out of half, largest first.
 
     Returns:
       ``(path, why)`` pairs.
     """
-    report = shadow.report_of(self.call, run, self.reference, True)
+    report = shadow.report_of(self.call, run, self.reference, True)  # type: ignore[arg-type]  # Run first.
     own = flops.by_module(run.checker.flops, run.sites)
     total = sum(own.values()) or 1
     found = []
@@ -362,7 +362,7 @@ def _check(policy, tolerance, max_evals, island_dtype) -> tuple:
   return policy, island
 
 
-def suggest_policy(fn: Callable[..., Any], *args, policy=None,
+def suggest_policy(fn: Callable[..., Any], *args: Any, policy: Any = None,
                    tolerance: float = 0.05, max_evals: int = 16,
                    island_dtype: Any = jnp.float32,
                    loss_scale: Any = None) -> PolicySuggestion:

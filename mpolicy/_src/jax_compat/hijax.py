@@ -95,7 +95,7 @@ def construct_params(obj) -> dict:
 
 def bind(obj, args) -> list:
   """Applies the construct ``obj`` to ``args`` (flat operands)."""
-  return list(call_hi_primitive_p.bind(*args, _prim=obj))
+  return list(call_hi_primitive_p.bind(*args, _prim=obj))  # type: ignore[union-attr]  # JAX 0.12.
 
 
 def _rebuild(obj, **changes):
@@ -305,7 +305,7 @@ def is_sub_computation(value) -> bool:
 
 
 def _flat(params) -> list:
-  out = []
+  out: list = []
   for value in params.values():
     out.extend(value if isinstance(value, (tuple, list)) else (value,))
   return out
@@ -361,7 +361,7 @@ def trace_rule(fn, args: Sequence[Any]):
     full = [next(it) if d else x for x, d in zip(out_leaves, out_which)]
     return jax.tree_util.tree_unflatten(out_tree, full)
 
-  finish.out_dynamic = out_which
+  finish.out_dynamic = out_which  # type: ignore[attr-defined]
   return closed, dynamic, finish
 
 

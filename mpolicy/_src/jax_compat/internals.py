@@ -48,9 +48,9 @@ def scope_names(name_stack) -> tuple[str, ...]:
   """
   names = []
   for entry in getattr(name_stack, "stack", ()):
-    if isinstance(entry, _Scope):
+    if isinstance(entry, _Scope):  # type: ignore[misc]  # JAX's generic alias.
       names.append(entry.name)
-    elif not isinstance(entry, _Transform):  # Unknown kind: read its name.
+    elif not isinstance(entry, _Transform):  # type: ignore[misc]  # Unknown kind: read its name.
       name = getattr(entry, "name", None)
       if isinstance(name, str):
         names.append(name)
@@ -154,7 +154,7 @@ def eqn_transforms(eqn) -> tuple[str, ...]:
   ``"transpose"``, ``"vmap"``, ...), outermost first."""
   return tuple(entry.name
                for entry in getattr(eqn.source_info.name_stack, "stack", ())
-               if isinstance(entry, _Transform))
+               if isinstance(entry, _Transform))  # type: ignore[misc]
 
 
 # --- Jaxpr types ------------------------------------------------------------
@@ -239,7 +239,7 @@ def _registered_named(*names: str) -> list:
   or a JVP rule for (at import; the first registered wins a shared name),
   None, recorded as absent, for a name none has. A lookup for the few
   primitives JAX exports under no public name, without walking modules."""
-  found = {}
+  found: dict = {}
   for table in (_mlir._lowerings, _ad.primitive_jvps):  # pylint: disable=protected-access
     for p in list(table):
       found.setdefault(p.name, p)
@@ -269,7 +269,7 @@ try:  # Pallas kernels (importing the primitive's module costs a few ms).
   from jax._src.pallas import pallas_call as _pallas_call  # pylint: disable=g-import-not-at-top
   pallas_call_p = _pallas_call.pallas_call_p
 except (ImportError, AttributeError):
-  pallas_call_p = None
+  pallas_call_p = None  # type: ignore[assignment]  # No Pallas here.
 
 # Primitives that run code mpolicy does not see into as kernels: host
 # callbacks and Pallas kernels. Their operands arrive in the dtypes they
@@ -288,7 +288,7 @@ _primitives_cache: dict = {}
 def loaded_primitives(packages) -> list:
   """The `Primitive` objects at the top level of the loaded modules of
   ``packages`` (each package's own module and its submodules)."""
-  found = {}
+  found: dict = {}
   for module_name, module in list(sys.modules.items()):
     if module is None or not any(module_name == p or
                                  module_name.startswith(p + ".")

@@ -108,7 +108,7 @@ def _linearization(fn, avals: tuple, nonzeros: tuple,
     fwd_jaxpr, fwd_consts = fwd, list(fwd.consts)
     tangent_jaxpr, tangent_consts = tangent, list(tangent.consts)
   else:  # JAX 0.10: (ClosedJaxpr, number of new residuals, ...).
-    n_out, n_structured = len(fwd.out_avals) - out_info, 0
+    n_out, n_structured = len(fwd.out_avals) - out_info, 0  # type: ignore[operator]  # An int before 0.12.
     fwd_jaxpr, fwd_consts = fwd.jaxpr, list(fwd.consts)
     tangent_jaxpr, tangent_consts = tangent.jaxpr, list(tangent.consts)
   return _Linearization(

@@ -133,7 +133,7 @@ def custom_jvp_num_consts(params) -> int:
 
 # --- Sub-jaxprs of higher-order primitives, by role -------------------------
 
-_ROLES: dict[Any, dict[str, str]] = {
+_ROLES: dict[Any, dict[str, Any]] = {
     p: roles for p, roles in (
         (_i.jit_p, {"body": "jaxpr"}),
         (_i.scan_p, {"body": "jaxpr"}),

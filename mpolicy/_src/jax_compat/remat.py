@@ -31,7 +31,7 @@ from jax._src.interpreters import partial_eval as _pe
 try:  # The remat3 transform (JAX 0.10 and later).
   from jax._src.interpreters import remat as _remat  # pylint: disable=g-import-not-at-top
 except ImportError:
-  _remat = None
+  _remat = None  # type: ignore[assignment]  # Absent before JAX 0.10.
 
 # Primitive -> ``view(**params) -> (JAX primitive, its params)``.
 _VIEWS: dict[Any, Callable[..., tuple[Any, dict]]] = {}

@@ -34,7 +34,7 @@ from mpolicy._src import staged
 ACCELERATORS = ("cuda", "rocm", "tpu")
 # The interpreter's `replay_binding`, which it installs as it is imported
 # (the rules cannot import the interpreter: it imports them).
-_REPLAY = []
+_REPLAY: list = []
 
 
 def install_replay(replay) -> None:

@@ -35,6 +35,8 @@ class RuleEnv(Protocol):
 
   full_only: set
   """Variables read only by ``full`` ops (they keep float32 results)."""
+  places: list
+  """``[n]``: the next block-format matmul's place (its random key)."""
   inserted: int
   """How many casts the environment has made (for `explain`)."""
 
@@ -141,7 +143,7 @@ class Op:
     return facts_lib.of(self.eqn.primitive)
 
   @property
-  def reason(self) -> str:
+  def reason(self) -> Optional[str]:
     """The table's one-line reason for this primitive's class."""
     return self.rules.reason_of(self.entry or self.prim.name)
 

@@ -161,7 +161,7 @@ def _as_written(op: base.Op) -> list:
   if op.region is None or op.region.full_precision:
     op.why = op.region.decided_by if op.region else "full_precision()"
   else:
-    compute = np.dtype(op.region.policy.compute_dtype)
+    compute = np.dtype(op.region.policy.compute_dtype)  # type: ignore[union-attr]  # Not full_precision.
     if dtypes.is_double(compute) and any(
         dtypes.float_value(a) and dtypes.dtype_of(a).itemsize
         < compute.itemsize for a in op.args):
@@ -199,7 +199,9 @@ def _array_target(eqn, args, env=None, compute=None) -> Optional[np.dtype]:
   dtype, not the other way round; float64 ones do not (float64 is never
   narrowed).
   """
-  arrays, followers, actual = [], [], set()
+  arrays: list = []
+  followers: list = []
+  actual: set = set()
   for var, a in zip(eqn.invars, args):
     d = dtypes.dtype_of(a)
     if not dtypes.is_float(d):

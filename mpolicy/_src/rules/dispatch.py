@@ -62,6 +62,7 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
                op_class=base.AS_WRITTEN if as_written else rules.class_of(
                    entry or eqn.primitive.name))
   if wide:
+    assert region is not None and region.policy is not None  # Wide: governed.
     op.why = (f"policy {region.policy} from {region.decided_by} computes in "
               f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
               "applies, runs as written")

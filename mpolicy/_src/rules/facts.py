@@ -127,7 +127,8 @@ def _primitives(prims: Primitives) -> list:
   an older or newer JAX, are skipped)."""
   if isinstance(prims, str) or hasattr(prims, "bind"):
     prims = [prims]
-  objects, names = [], []
+  objects: list = []
+  names: list = []
   for p in prims:
     (names if isinstance(p, str) else objects).append(p)
   return objects + jax_compat.primitives_named(names)
@@ -179,7 +180,7 @@ def of(primitive) -> Facts:
 
 def default_table() -> dict[str, tuple[str, str]]:
   """Primitive name -> ``(op_class, reason)`` for every classed primitive."""
-  return {p.name: (f.op_class, f.reason) for p, f in _FACTS.items()
+  return {p.name: (f.op_class, f.reason) for p, f in _FACTS.items()  # type: ignore[misc]  # Classed facts have reasons.
           if f.op_class is not None}
 
 

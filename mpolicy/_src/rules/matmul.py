@@ -323,7 +323,7 @@ def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
                        out_sharding=amp_primitive.explicit_sharding(aq))
   if config.per_tensor:
     # One lhs scale: it factors out of the weight gradient's sum too.
-    hq, sh = gq, (sa, sg)
+    hq, sh = gq, (sa, sg)  # type: tuple[Any, tuple]
   else:
     # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
     # inside this sum, so they are folded into the cotangent first.

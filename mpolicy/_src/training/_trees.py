@@ -41,8 +41,8 @@ def join_complex(split: PyTree, like: PyTree) -> PyTree:
   """Undoes `split_complex(like)`: each pair in `split` made one complex
   leaf again, in the dtype of its leaf in `like`."""
   leaves, treedef = jax.tree_util.tree_flatten(like)
-  parts = treedef.flatten_up_to(split)
-  return treedef.unflatten([
+  parts = treedef.flatten_up_to(split)  # type: ignore[attr-defined]  # jaxlib: no stubs.
+  return treedef.unflatten([  # type: ignore[attr-defined]  # jaxlib: no stubs.
       lax.complex(*part).astype(leaf.dtype) if is_complex(leaf) else part
       for part, leaf in zip(parts, leaves)])
 

@@ -101,8 +101,8 @@ def _widen(x: Any, axes: frozenset) -> Any:
 def _narrow(x: Any, axes: frozenset) -> Any:
   """`x`, the same on every device along `axes`, made invariant over them:
   a max over the bits, which are equal, so nothing changes."""
-  axes = tuple(sorted(axes & jax_compat.varying_axes(x), key=str))
-  if not axes or _trees.is_complex(x):
+  ordered = tuple(sorted(axes & jax_compat.varying_axes(x), key=str))
+  if not ordered or _trees.is_complex(x):
     return x
   if x.dtype == jnp.bool_:
     return lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
@@ -172,14 +172,14 @@ class _Types:
   def of(self, name: str, tree: Any) -> Any:
     """The axes at `k = 1` of each leaf of the loss, aux or state `tree`."""
     if self.typed:
-      return self.vmas[name]
+      return self.vmas[name]  # type: ignore[index]  # Set when typed.
     return jax.tree_util.tree_map(lambda _: frozenset(), tree)
 
   def narrow(self, name: str, tree: Any) -> Any:
     """What did not vary over a data axis at `k = 1` made so again."""
     if not self.typed:
       return tree
-    return _narrow_tree(tree, self.vmas[name], self.data)
+    return _narrow_tree(tree, self.vmas[name], self.data)  # type: ignore[index]  # Set when typed.
 
 
 class _Plan:

@@ -61,7 +61,7 @@ def apply_updates_stochastic(params: PyTree, updates: PyTree,
   See also: `stochastic_params`, `stochastic_round`.
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  update_leaves = treedef.flatten_up_to(updates)
+  update_leaves = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]  # jaxlib: no stubs.
   out = []
   for i, (p, u) in enumerate(zip(leaves, update_leaves)):
     if u is None:
@@ -73,7 +73,7 @@ def apply_updates_stochastic(params: PyTree, updates: PyTree,
           exact, p.dtype, jax.random.fold_in(key, i), vary_over=vary_over))
     else:
       out.append(jnp.asarray(p + u).astype(dtypes_lib.dtype_of(p)))
-  return treedef.unflatten(out)
+  return treedef.unflatten(out)  # type: ignore[attr-defined]  # jaxlib: no stubs.
 
 
 
@@ -86,7 +86,7 @@ class StochasticParamsState(NamedTuple):
       come from it.
   """
   inner_state: Any
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; hides tuple.count.
 
 
 def stochastic_params(

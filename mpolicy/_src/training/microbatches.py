@@ -33,7 +33,7 @@ def check_microbatches(microbatches: Any, where: str) -> int:
   return int(microbatches)
 
 
-def check_batch_argnums(batch_argnums: Any, where: str):
+def check_batch_argnums(batch_argnums: Any, where: str) -> tuple | None:
   """`batch_argnums` as a tuple of ints, or None."""
   if batch_argnums is None:
     return None

@@ -15,7 +15,8 @@ by multiplying it by 0, and 0 * NaN is NaN): that placement is refused.
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+import types
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -151,7 +152,7 @@ def _check_not_inside_multisteps() -> None:
   """Raises if an `optax.MultiSteps` that accumulates every mini-batch is
   calling (read from the call stack when `update` is traced)."""
   code = getattr(getattr(optax.MultiSteps, "update", None), "__code__", None)
-  frame = sys._getframe(2)  # pylint: disable=protected-access
+  frame: Optional[types.FrameType] = sys._getframe(2)  # pylint: disable=protected-access
   while frame is not None and frame.f_code is not code:
     frame = frame.f_back
   if frame is None:
@@ -179,7 +180,7 @@ def update_if_finite(
     opt_state: PyTree,
     params: PyTree,
     grads_finite: jax.Array,
-    **extra_args,
+    **extra_args: Any,
 ) -> tuple[PyTree, PyTree]:
   """One optimizer step, applied only if `grads_finite`; else nothing changes.
 

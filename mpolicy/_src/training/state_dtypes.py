@@ -39,7 +39,7 @@ class StateDtypesState(NamedTuple):
       each update's random bits come from it.
   """
   inner_state: Any
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; hides tuple.count.
 
 
 def _floating_dtype(dtype: Any, where: str) -> np.dtype:

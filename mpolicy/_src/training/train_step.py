@@ -105,7 +105,7 @@ def make_train_step(
     grad_dtype: Any = None,
     max_retries: int = 0,
     param_rounding: str = "nearest",
-    average_state: bool = _Default(True),
+    average_state: bool = _Default(True),  # type: ignore[assignment]  # Told apart from True passed.
     attribute_overflow: bool = False,
     microbatches: int = 1,
     batch_argnums: int | Sequence[int] | None = None,
