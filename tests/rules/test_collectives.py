@@ -92,6 +92,20 @@ plain = jax.shard_map(
     out_specs=P())
 f = jax.jit(mpolicy.amp(mpolicy.full_precision()(plain), BF16, rules=WIDE))
 facts["full_precision"] = sums(f.lower(x, w).as_text())
+# FSDP under jax.grad of an amp-ed loss: the weight shard's all_gather and
+# the replicated v's pvary (JAX's) transpose to a reduce-scatter and a psum.
+def loss(ws, xs, v):
+  return jnp.sum((xs @ jax.lax.all_gather(ws, "d", tiled=True) @ v)
+                 .astype(jnp.float32))
+for name, rules in (("bf16", None), ("wide", WIDE)):
+  g = jax.jit(jax.shard_map(
+      jax.grad(mpolicy.amp(loss, "p=bf16,c=bf16,o=f32", rules=rules),
+               argnums=(0, 2)),
+      mesh=mesh, in_specs=(P("d"), P("d"), P()), out_specs=(P("d"), P())))
+  args = (w.astype(jnp.bfloat16)[:, :8], x.astype(jnp.bfloat16)[:, :64],
+          jnp.ones((8, 2), jnp.bfloat16))
+  facts[f"fsdp/{name}/sums"] = sums(g.lower(*args).as_text())
+  facts[f"fsdp/{name}/dtypes"] = [str(o.dtype) for o in g(*args)]
 print("FACTS=" + json.dumps(facts))
 '''
 
@@ -121,3 +135,12 @@ def test_explain_shows_the_sum_and_full_precision_keeps_it(facts):
                       for r in rows), rows
   assert "OpRules.with_collectives" in rows[0][3]
   assert facts["full_precision"] == [("all_reduce", "bf16")]
+
+
+@pytest.mark.ci
+def test_fsdp_gradients_reduce_scatter_and_psum_in_float32(facts):
+  assert facts["fsdp/bf16/sums"] == [("all_reduce", "bf16"),
+                                     ("reduce_scatter", "bf16")]
+  assert facts["fsdp/wide/sums"] == [("all_reduce", "f32"),
+                                     ("reduce_scatter", "f32")]
+  assert facts["fsdp/wide/dtypes"] == ["bfloat16", "bfloat16"]
