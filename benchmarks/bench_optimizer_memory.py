@@ -18,6 +18,11 @@ Variants:
                       a float32 copy and float32 moments in the state.
   mu in bf16          as "bf16 compute", with
                       `mpolicy.with_state_dtypes(adam, {"mu": jnp.bfloat16})`.
+  8-byte              bfloat16 params that truncate an exact float32 master
+                      kept as 16 low bits, bfloat16 moments:
+                      `make_train_step(..., param_rounding="low_bits")` over
+                      `with_state_dtypes(adam, jnp.bfloat16,
+                      rounding="stochastic")`.
   6-byte              bfloat16 params and moments, stochastic rounding:
                       `make_train_step(..., param_rounding="stochastic")` over
                       `with_state_dtypes(adam, jnp.bfloat16,
@@ -78,6 +83,10 @@ VARIANTS = [
     Variant("mu in bf16", BF16_POLICY, jnp.float32,
             lambda: mpolicy.with_state_dtypes(optax.adam(LEARNING_RATE),
                                               {"mu": jnp.bfloat16})),
+    Variant("8-byte (bf16 params + low bits + moments)", BF16_POLICY,
+            jnp.bfloat16, lambda: mpolicy.with_state_dtypes(
+                optax.adam(LEARNING_RATE), jnp.bfloat16,
+                rounding="stochastic"), "low_bits"),
     Variant("6-byte (bf16 params + moments, SR)", BF16_POLICY, jnp.bfloat16,
             lambda: mpolicy.with_state_dtypes(
                 optax.adam(LEARNING_RATE), jnp.bfloat16,
@@ -126,8 +135,9 @@ def measure(model: Model, variant: Variant) -> dict[str, float]:
     params = jax.tree_util.tree_map(
         lambda p: jax.ShapeDtypeStruct(p.shape, variant.param_dtype), params)
     tx = variant.optimizer()
-    init = (mpolicy.stochastic_params(tx).init
-            if variant.param_rounding == "stochastic" else tx.init)
+    init = {"stochastic": mpolicy.stochastic_params(tx).init,
+            "low_bits": mpolicy.master_weights(tx, storage="low_bits").init,
+            }.get(variant.param_rounding, tx.init)
     opt_state = jax.eval_shape(init, params)
     step = mpolicy.make_train_step(
         lambda p, batch: transformed.apply(p, None, batch), tx,

@@ -2,7 +2,7 @@ r"""Why bfloat16 weights need a float32 copy or stochastic rounding, measured.
 
 Trains the character transformer of `char_transformer.py` (its flags set
 the model's size and corpus) with bfloat16 compute (`--mp_policy`), Adam,
-and the same seed and batches, holding the weights three ways:
+and the same seed and batches, holding the weights four ways:
 
 1. `master`: bfloat16 params with a float32 master copy in the optimizer
    (`mpolicy.master_weights(optax.adam)`): 14 bytes per parameter;
@@ -10,7 +10,11 @@ and the same seed and batches, holding the weights three ways:
    (`mpolicy.keep_dtypes(optax.adam)`): 6 bytes;
 3. `stochastic`: bfloat16 params and moments, every write rounded
    stochastically (`make_train_step(..., param_rounding="stochastic")` over
-   `with_state_dtypes(adam, jnp.bfloat16, rounding="stochastic")`): 6 bytes.
+   `with_state_dtypes(adam, jnp.bfloat16, rounding="stochastic")`): 6 bytes;
+4. `low_bits`: bfloat16 params that are an exact float32 master's top 16
+   bits, its other 16 bits in the optimizer state, and bfloat16 moments
+   (`make_train_step(..., param_rounding="low_bits")` over the same
+   `with_state_dtypes`): 8 bytes, the master's arithmetic exactly.
 
 and, with `--compare`, a float32 baseline (policy 'full', float32 params).
 `--modes=stochastic` (a comma-separated list) trains only the ways named.
@@ -46,7 +50,7 @@ flags.adopt_module_key_flags(char_transformer)  # and the model's.
 
 NEVER_CHANGED = "params never changed (%)"
 STILL = "params the step left unchanged (%)"
-MODES = ("master", "nearest", "stochastic")
+MODES = ("master", "nearest", "stochastic", "low_bits")
 
 flags.DEFINE_list("modes", list(MODES),
                   f"Which of the ways to hold the weights to train, of {MODES}.")
@@ -67,6 +71,9 @@ def optimizer_for(mode: str, learning_rate: float):
   if mode == "stochastic":
     tx = mpolicy.with_state_dtypes(adam, jnp.bfloat16, rounding="stochastic")
     return tx, "stochastic", mpolicy.stochastic_params(tx).init
+  if mode == "low_bits":
+    tx = mpolicy.with_state_dtypes(adam, jnp.bfloat16, rounding="stochastic")
+    return tx, "low_bits", mpolicy.master_weights(tx, storage="low_bits").init
   raise ValueError(f"mode must be 'f32' or one of {MODES}, got {mode!r}.")
 
 
@@ -118,8 +125,10 @@ def run(corpus: char_transformer.Corpus, config: char_transformer.ModelConfig,
     full = model.init(jax.random.PRNGKey(seed), batch(0)[:, :-1])
     if mode == "f32":
       params, opt_state = full, init(full)
-    elif mode == "master":
-      params, opt_state = mpolicy.init_master_weights(optimizer, full,
+    elif mode in ("master", "low_bits"):
+      wrapped = (optimizer if mode == "master" else
+                 mpolicy.master_weights(optimizer, storage="low_bits"))
+      params, opt_state = mpolicy.init_master_weights(wrapped, full,
                                                       jnp.bfloat16)
     else:
       params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), full)
@@ -140,7 +149,8 @@ def run(corpus: char_transformer.Corpus, config: char_transformer.ModelConfig,
   return mp_report.Run(mode, policy, "NoOp", metrics, log)
 
 
-BYTES = {"f32": 12, "master": 14, "nearest": 6, "stochastic": 6}
+BYTES = {"f32": 12, "master": 14, "nearest": 6, "stochastic": 6,
+         "low_bits": 8}
 
 
 def lesson_table(runs, reference: str = "master") -> str:

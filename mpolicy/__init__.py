@@ -94,6 +94,7 @@ if _typing.TYPE_CHECKING:
   from mpolicy._src.training.master_weights import init_master_weights
   from mpolicy._src.training.master_weights import master_weights
   from mpolicy._src.training.master_weights import MasterWeightsState
+  from mpolicy._src.training.low_bits import LowBitsMasterState
   from mpolicy._src.training.master_weights import params_from_master
   from mpolicy._src.training.stable_dtypes import keep_dtypes
   from mpolicy._src.training.train_step import make_train_step
@@ -127,6 +128,7 @@ _LAZY = {
     "init_master_weights": ("mpolicy._src.training.master_weights", _OPTAX),
     "master_weights": ("mpolicy._src.training.master_weights", _OPTAX),
     "MasterWeightsState": ("mpolicy._src.training.master_weights", _OPTAX),
+    "LowBitsMasterState": ("mpolicy._src.training.low_bits", _OPTAX),
     "params_from_master": ("mpolicy._src.training.master_weights", _OPTAX),
     "keep_dtypes": ("mpolicy._src.training.stable_dtypes", _OPTAX),
     "make_train_step": ("mpolicy._src.training.train_step", _OPTAX),
@@ -156,6 +158,7 @@ __all__ = (
     "DynamicLossScale",
     "HaikuPolicyWarning",
     "LossScale",
+    "LowBitsMasterState",
     "MasterWeightsState",
     "NoOpLossScale",
     "NonFiniteReport",

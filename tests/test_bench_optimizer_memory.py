@@ -32,3 +32,12 @@ def test_float32_adam_holds_12_bytes_and_the_6_byte_mode_6(bench):
   assert f32["bytes/param"] == pytest.approx(12 + 4 / count)
   assert six["bytes/param"] == pytest.approx(6 + 12 / count)
   assert f32["temp MiB"] > 0 and six["temp MiB"] > 0
+
+
+@pytest.mark.ci  # Runs the benchmark, 5 s on 2 cores.
+def test_the_exact_master_mode_holds_8_bytes(bench):
+  model = bench.gpt_model(scale=64)
+  variant, = [v for v in bench.VARIANTS if v.name.startswith("8-byte")]
+  eight = bench.measure(model, variant)
+  # Adam's step counter (4 bytes) and the moments' rounding counter.
+  assert eight["bytes/param"] == pytest.approx(8 + 8 / eight["params"])

@@ -302,3 +302,14 @@ def test_trace_benchmark_reports_every_column_and_ratios_to_jmp():
   assert all(r[3].strip() == r[4].strip() == "1.00" for r in jmp_rows), jmp_rows
   assert "eager calls" in out and "per added layer" in out, out
   assert "loadavg at the end" in out, out
+
+
+@pytest.mark.ci  # 8 simulated devices in a subprocess: 10 s on 2 cores.
+def test_collectives_benchmark_prints_both_sums_and_their_ratio():
+  proc = _run("bench_collectives.py", "--reps", "1", "--calls", "1",
+              "--batch", "16", "--features", "64", "--out", "32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "8 simulated devices" in proc.stdout and "jax " in proc.stdout
+  assert re.search(r"\| bf16 sum \| [0-9.]+ ms", proc.stdout)
+  assert re.search(r"\| f32 sum \| [0-9.]+ ms", proc.stdout)
+  assert re.search(r"\| f32 / bf16 \| [0-9.]+x", proc.stdout)

@@ -46,6 +46,18 @@ def test_tiny_stochastic_run_keeps_bfloat16_and_counts_unchanged_params(
   assert "| stochastic | 6 |" in table and "+0.00%" in table
 
 
+@pytest.mark.slow
+def test_tiny_low_bits_run_keeps_bfloat16_params_and_uint16_low_bits(
+    lesson, corpus):
+  config = lesson.char_transformer.ModelConfig(
+      seq_len=8, d_model=8, num_heads=2, num_layers=1)
+  r = lesson.run(corpus, config, mode="low_bits", steps=3, batch_size=2,
+                 log_every=0)
+  assert np.isfinite(r.metrics["final loss"])
+  assert r.metrics["never changed"] < 100
+  assert "| low_bits | 8 |" in lesson.lesson_table([r])
+
+
 def test_never_changed_percent_counts_false_flags(lesson):
   changed = {"a": jnp.array([True, False, False, False]),
              "b": jnp.array([[True, True], [True, False]])}
@@ -72,6 +84,7 @@ def test_full_lesson_nearest_stalls_and_stochastic_matches_master(
   final = {m: r.metrics["final loss"] for m, r in runs.items()}
   never = {m: r.metrics["never changed"] for m, r in runs.items()}
   assert abs(final["stochastic"] / final["master"] - 1) < 0.01
+  assert abs(final["low_bits"] / final["master"] - 1) < 0.01
   assert final["nearest"] > final["master"] * 1.01
   assert never["nearest"] > 2 * never["stochastic"]
   assert never["nearest"] > 2 * never["master"]

@@ -38,9 +38,12 @@ import difflib
 import types
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import rules as _families  # pylint: disable=unused-import  (registers their facts)
+from mpolicy._src.rules import collectives
 from mpolicy._src.rules import custom
 from mpolicy._src.rules import facts as facts_lib
 from mpolicy._src.rules import fp8_placement
@@ -163,6 +166,7 @@ class OpRules:
       default_factory=dict)
   _rules: Mapping[str, RuleFn] = dataclasses.field(default_factory=dict)
   _fp8: fp8_placement.Fp8Options = fp8_placement.Fp8Options()
+  _sum_dtype: Optional[np.dtype] = None
 
   def __post_init__(self):
     object.__setattr__(self, "_table",
@@ -266,7 +270,7 @@ class OpRules:
     table = dict(self._table)
     table.update({name: (op_class, reason) for name, op_class in seen.items()})
     rules = {n: f for n, f in self._rules.items() if n not in seen}
-    return OpRules(table, rules, self._fp8)
+    return dataclasses.replace(self, _table=table, _rules=rules)
 
   def with_rule(self, name: str, fn: RuleFn, *, strict: bool = True) -> OpRules:
     """A new table where primitive ``name`` runs as ``fn`` says.
@@ -334,7 +338,8 @@ class OpRules:
           f"{'it names no kernel' if base in kernels.NAMED else repr(base) + ' takes no kernel name'}")
     _check_known((base,), "OpRules.with_rule(name=...)", self._known(), strict)
     table = {n: e for n, e in self._table.items() if n != name}
-    return OpRules(table, dict(self._rules, **{name: fn}), self._fp8)
+    return dataclasses.replace(self, _table=table,
+                               _rules=dict(self._rules, **{name: fn}))
 
   @property
   def fp8(self) -> fp8_placement.Fp8Options:
@@ -380,8 +385,44 @@ class OpRules:
                       f"; it takes matmuls, min_size, scaling and "
                       f"{', '.join(fp8_placement.RECIPE_OPTIONS)}")
     changes.update(recipe)
-    return OpRules(self._table, self._rules,
-                   dataclasses.replace(self._fp8, **changes))
+    return dataclasses.replace(
+        self, _fp8=dataclasses.replace(self._fp8, **changes))
+
+  @property
+  def collective_sum_dtype(self) -> Optional[np.dtype]:
+    """The dtype cross-device sums of narrower values run in (see
+    `with_collectives`), or ``None``: each in its operands' dtype."""
+    return self._sum_dtype
+
+  def with_collectives(self, *, sum_dtype: Any) -> OpRules:
+    """A new table whose cross-device sums run in ``sum_dtype``.
+
+    Under `amp` / `transform_amp`, every ``psum`` (so ``pmean`` too) and
+    ``psum_scatter`` of values narrower than ``sum_dtype`` inside
+    ``shard_map`` or ``pmap`` casts them to ``sum_dtype``, sums, and casts
+    the result back to their dtype: a bfloat16 partial matmul of a
+    row-parallel layer is summed in float32 and stays bfloat16 after.
+    `explain` shows each such sum. Sums that XLA places itself (a matmul
+    whose contracting dimension is sharded under ``jax.jit``) are not in
+    the program: see docs/distributed.md.
+
+    >>> import jax.numpy as jnp
+    >>> r = DEFAULT_RULES.with_collectives(sum_dtype=jnp.float32)
+    >>> r.collective_sum_dtype, DEFAULT_RULES.collective_sum_dtype
+    (dtype('float32'), None)
+
+    Args:
+      sum_dtype: a floating dtype, or ``None`` for each sum in its
+        operands' dtype (as written).
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    Raises:
+      ValueError: ``sum_dtype`` is neither ``None`` nor a floating dtype.
+    """
+    return dataclasses.replace(
+        self, _sum_dtype=collectives.check_sum_dtype(sum_dtype))
 
   def without_ops(self, *names: str, strict: bool = True) -> OpRules:
     """A new table where ``names`` run in the dtype of their inputs.
@@ -402,15 +443,16 @@ class OpRules:
     """
     names = _as_names(names, "names", "OpRules.without_ops")
     _check_known(names, "OpRules.without_ops", self._known(), strict)
-    return OpRules({n: e for n, e in self._table.items() if n not in names},
-                   {n: f for n, f in self._rules.items() if n not in names},
-                   self._fp8)
+    return dataclasses.replace(
+        self, _table={n: e for n, e in self._table.items() if n not in names},
+        _rules={n: f for n, f in self._rules.items() if n not in names})
 
   def __reduce__(self):
     # Rebuilt from plain dicts: `copy.deepcopy` and `pickle` work (custom
     # rule functions must be picklable themselves, as module-level
     # functions are).
-    return (OpRules, (dict(self._table), dict(self._rules), self._fp8))
+    return (OpRules, (dict(self._table), dict(self._rules), self._fp8,
+                      self._sum_dtype))
 
   def __iter__(self) -> Iterator[str]:
     return iter(sorted(self._known()))
@@ -425,12 +467,13 @@ class OpRules:
     return (isinstance(other, OpRules)
             and dict(self._table) == dict(other._table)
             and dict(self._rules) == dict(other._rules)
-            and self._fp8 == other._fp8)
+            and self._fp8 == other._fp8
+            and self._sum_dtype == other._sum_dtype)
 
   def __hash__(self) -> int:
     return hash((frozenset(self._table.items()),
                  frozenset(_hash_rule(i) for i in self._rules.items()),
-                 self._fp8))
+                 self._fp8, self._sum_dtype))
 
   def __repr__(self) -> str:
     parts = [f"{c}={sorted(self.names(c))}" for c in CLASSES]
@@ -440,6 +483,8 @@ class OpRules:
                    + "}")
     if self._fp8 != fp8_placement.Fp8Options():
       parts.append(f"fp8={self._fp8!r}")
+    if self._sum_dtype is not None:
+      parts.append(f"collectives=sum_dtype {self._sum_dtype.name}")
     return f"OpRules({', '.join(parts)})"
 
 

@@ -43,6 +43,7 @@ from mpolicy._src.training.attribution import nonfinite_paths
 from mpolicy._src.training.half_params import apply_updates_stochastic
 from mpolicy._src.training.half_params import stochastic_params
 from mpolicy._src.training.half_params import StochasticParamsState
+from mpolicy._src.training.low_bits import LowBitsMasterState
 from mpolicy._src.training.master_weights import init_master_weights
 from mpolicy._src.training.master_weights import master_weights
 from mpolicy._src.training.master_weights import MasterWeightsState
@@ -59,7 +60,8 @@ from mpolicy._src.training.train_step import make_train_step
 from mpolicy._src.training.train_step import TrainStepResult
 
 __all__ = (
-    "AccumulationCheck", "DynamicLossScale", "LossScale", "MasterWeightsState",
+    "AccumulationCheck", "DynamicLossScale", "LossScale", "LowBitsMasterState",
+    "MasterWeightsState",
     "NoOpLossScale", "SkipNonFiniteState", "StateDtypesState",
     "StaticLossScale", "StochasticParamsState", "TrainStepResult",
     "all_finite", "apply_updates_stochastic", "check_accumulation",

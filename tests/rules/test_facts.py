@@ -147,7 +147,8 @@ def _table_reads() -> set[str]:
 def test_the_rule_table_protocol_is_what_the_rules_read():
   members = {name for name in vars(base.RuleTable)
              if not name.startswith("_")}
-  assert members == {"class_of", "reason_of", "rule_of", "fp8"}
+  assert members == {"class_of", "reason_of", "rule_of", "fp8",
+                     "collective_sum_dtype"}
   assert _table_reads() == members
   for name in members:  # OpRules is a RuleTable.
     assert hasattr(mpolicy.DEFAULT_RULES, name), name

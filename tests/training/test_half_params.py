@@ -138,7 +138,8 @@ def test_make_train_step_stochastic_mode_explains_a_wrong_opt_state():
 
 
 def test_bad_param_rounding_lists_the_choices():
-  with pytest.raises(ValueError, match="'nearest' or 'stochastic', got 'sr'"):
+  with pytest.raises(ValueError, match="'nearest', 'stochastic' or 'low_bits', "
+                     "got 'sr'"):
     mpolicy.make_train_step(lambda p: p, optax.sgd(0.1), param_rounding="sr")
 
 

@@ -14,6 +14,8 @@ the code they describe:
   its float8 variant (`amp_primitive`, `fp8_scaling`, `half_storage` hold
   what they share; `fp8_placement` decides where float8 runs, `fp8_mesh`
   which devices share a scale);
+* `collectives`: cross-device sums in the dtype `OpRules.with_collectives`
+  asks;
 * `custom`: the user's rules (`OpRules.with_rule`);
 * `dispatch`: `run`, which looks the rules up in order.
 
@@ -21,10 +23,11 @@ Importing this package registers every family.
 """
 
 from mpolicy._src.rules import classes
+from mpolicy._src.rules import collectives
 from mpolicy._src.rules import conv
 from mpolicy._src.rules import kernels
 from mpolicy._src.rules import matmul
 from mpolicy._src.rules import special
 from mpolicy._src.rules.dispatch import run
 
-__all__ = ["classes", "conv", "kernels", "matmul", "special", "run"]
+__all__ = ["classes", "collectives", "conv", "kernels", "matmul", "special", "run"]

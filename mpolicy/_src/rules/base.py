@@ -94,6 +94,11 @@ class RuleTable(Protocol):
   def fp8(self) -> fp8_placement.Fp8Options:
     """Where and how float8 runs under a ``c=f8`` policy."""
 
+  @property
+  def collective_sum_dtype(self) -> Optional[np.dtype]:
+    """The dtype cross-device sums of narrower values run in, else
+    ``None`` (`OpRules.with_collectives`)."""
+
 
 @dataclasses.dataclass
 class Op:

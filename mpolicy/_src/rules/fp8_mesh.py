@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from mpolicy._src import jax_compat
 from mpolicy._src.rules import base
-from mpolicy._src.rules import classes
 from mpolicy._src.rules import facts
 
 _SOURCES = "_fp8_pvary_sources"  # Env attribute: id(out) -> pvary's input.
@@ -42,9 +41,8 @@ def _sources(env) -> dict:
   return sources
 
 
-def _pvary(op: base.Op) -> list:
-  """Runs `pvary` as any unclassed op and records its input."""
-  outs = classes.inputs(op)
+def record_pvary(op: base.Op, outs: list) -> list:
+  """Records the inputs of a `pvary` (run by `collectives`), its results."""
   if len(outs) == len(op.args):
     for x, out in zip(op.args, outs):
       _sources(op.env)[id(out)] = x
@@ -97,4 +95,4 @@ def cotangent_axes(g, per_tensor: bool, batched: bool) -> tuple:
 
 
 # A replicated parameter made varying is still a parameter.
-facts.register("pvary", keeps_param=True, special=_pvary)
+facts.register("pvary", keeps_param=True)

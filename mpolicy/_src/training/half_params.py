@@ -19,6 +19,7 @@ import optax
 
 from mpolicy._src import arguments
 from mpolicy._src import dtypes as dtypes_lib
+from mpolicy._src.training import master_weights
 from mpolicy._src.training import stochastic_rounding
 
 PyTree = Any
@@ -197,5 +198,7 @@ def for_param_rounding(optimizer: optax.GradientTransformation,
     return optimizer
   if param_rounding == "stochastic":
     return stochastic_params(optimizer)
-  raise ValueError("param_rounding must be 'nearest' or 'stochastic', got "
-                   f"{param_rounding!r}.")
+  if param_rounding == "low_bits":
+    return master_weights.master_weights(optimizer, storage="low_bits")
+  raise ValueError("param_rounding must be 'nearest', 'stochastic' or "
+                   f"'low_bits', got {param_rounding!r}.")

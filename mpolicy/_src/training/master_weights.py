@@ -6,10 +6,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpolicy._src import arguments
 from mpolicy._src.training import _trees
+from mpolicy._src.training import low_bits as low_bits_lib
+from mpolicy._src.training.low_bits import LowBitsMasterState
+
+STORAGES = ("full", "low_bits")
 
 PyTree = Any
 
@@ -29,6 +34,8 @@ class MasterWeightsState(NamedTuple):
 def master_weights(
     inner: optax.GradientTransformation,
     master_dtype: Any = jnp.float32,
+    *,
+    storage: str = "full",
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps a float32 master copy of half-precision params in the optimizer.
 
@@ -51,17 +58,37 @@ def master_weights(
   master), or from half params with `tx.init(params)`, which casts the
   floating leaves to `master_dtype` (pass a float32 copy if you have one).
 
+  `storage="low_bits"` keeps the same float32 master in 2 bytes per
+  bfloat16 parameter instead of 4: the params are the master's top 16 bits
+  (truncated toward zero, not rounded to nearest) and the state
+  (`LowBitsMasterState`) keeps the other 16 bits, so `update` rebuilds the
+  master exactly from the params it is given. Under the same gradients the
+  master follows `storage="full"`'s bit for bit; with bfloat16 Adam moments
+  (`with_state_dtypes(optax.adam(...), jnp.bfloat16)`) training holds 8
+  bytes per parameter. It needs the params written exactly as the updates
+  say (`optax.apply_updates`, `make_train_step(param_rounding="low_bits")`)
+  and bfloat16 or float32 params. One case float32 arithmetic cannot write:
+  a weight that shrinks by a factor over 2**15 in one step without
+  reaching zero is written within float32's spacing at its old size of the
+  master, and the master kept is the nearest one to it that 16 bits give.
+
   Args:
     inner: the optimizer to run on the master; extra args are passed on.
-    master_dtype: the dtype of the master copy.
+    master_dtype: the dtype of the master copy (float32 for `"low_bits"`).
+    storage: `"full"` (a copy of the params in `master_dtype`) or
+      `"low_bits"` (16 bits per bfloat16 parameter; see above).
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with `MasterWeightsState`.
-    Its `update` needs `params` (their dtypes say what to round to).
+    An `optax.GradientTransformationExtraArgs` with `MasterWeightsState`
+    (`LowBitsMasterState` for `"low_bits"`). Its `update` needs `params`
+    (their dtypes say what to round to).
 
   Raises:
-    ValueError: at once, if `master_dtype` is not a floating dtype; from
-      `update`, if `params` is not given.
+    ValueError: at once, if `master_dtype` is not a floating dtype,
+      `storage` is neither `"full"` nor `"low_bits"`, or `"low_bits"` is
+      asked with a `master_dtype` other than float32; from `update`, if
+      `params` is not given; with `"low_bits"`, from `init` or `update`, if
+      a param is real floating but neither bfloat16 nor float32.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.sgd(1e-4))
@@ -72,6 +99,17 @@ def master_weights(
   >>> round(float(state.master["w"][0]), 4), float(half["w"][0])
   (1.01, 1.0078125)
 
+  The same master in 16 bits per parameter (the params truncate it):
+
+  >>> tx = master_weights(optax.sgd(1e-4), storage="low_bits")
+  >>> half, state = init_master_weights(tx, {"w": jnp.ones(2)}, jnp.bfloat16)
+  >>> for _ in range(100):
+  ...   updates, state = tx.update({"w": -jnp.ones(2, jnp.bfloat16)}, state, half)
+  ...   half = optax.apply_updates(half, updates)
+  >>> master = params_from_master(state, {"w": half["w"].astype(jnp.float32)})
+  >>> state.low_bits["w"].dtype, round(float(master["w"][0]), 4), float(half["w"][0])
+  (dtype('uint16'), 1.01, 1.0078125)
+
   See also: `init_master_weights`, `params_from_master`, `skip_nonfinite`
   (wrap it around `master_weights` to keep the master on bad steps).
   """
@@ -79,17 +117,25 @@ def master_weights(
   inner = optax.with_extra_args_support(inner)
   master_dtype = arguments.require_float_dtype(master_dtype, "master_weights",
                                               "master_dtype")
+  if storage not in STORAGES:
+    raise ValueError(
+        f"master_weights: storage must be one of {STORAGES} ('full': a "
+        "float32 copy of the params; 'low_bits': 16 bits per bfloat16 "
+        f"parameter), got {storage!r}.")
+  if storage == "low_bits":
+    if master_dtype != np.dtype(jnp.float32):
+      raise ValueError(
+          "master_weights: storage='low_bits' keeps the 16 bits a float32 "
+          "master has beyond bfloat16, so master_dtype must be float32; got "
+          f"{master_dtype.name}. Use storage='full' for another master dtype.")
+    return _low_bits_master(inner)
 
   def init(params):
     master = jax.tree_util.tree_map(_trees.strong, _trees.cast_floating(params, master_dtype))
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
   def update(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-          "master_weights: update needs `params` (the half-precision params "
-          "you compute with) to know which dtype to round the master to; call "
-          "`tx.update(grads, state, params)`.")
+    _need_params(params)
     grads = _trees.cast_floating(updates, master_dtype)
     inner_updates, inner_state = inner.update(
         grads, state.inner_state, state.master, **extra_args)
@@ -110,6 +156,56 @@ def master_weights(
   return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _need_params(params):
+  if params is None:
+    raise ValueError(
+        "master_weights: update needs `params` (the half-precision params "
+        "you compute with) to know which dtype to round the master to; call "
+        "`tx.update(grads, state, params)`.")
+
+
+def _low_bits_master(inner):
+  """`master_weights(inner, storage="low_bits")`."""
+  who = "master_weights(storage='low_bits')"
+
+  def init(params):
+    low = low_bits_lib.init_low_bits(params, who)
+    master = jax.tree_util.tree_map(
+        _trees.strong, _trees.cast_floating(params, jnp.float32))
+    return LowBitsMasterState(low_bits=low, inner_state=inner.init(master))
+
+  def update(updates, state, params=None, **extra_args):
+    _need_params(params)
+    if not isinstance(state, LowBitsMasterState):
+      raise TypeError(
+          f"{who}: state is a {type(state).__name__}, not a "
+          "LowBitsMasterState; make it with this transformation's init "
+          "(or init_master_weights).")
+    jax.tree_util.tree_map(lambda p: low_bits_lib.check_leaf(p, who), params)
+    master = low_bits_lib.masters(params, state.low_bits)
+    grads = _trees.cast_floating(updates, jnp.float32)
+    inner_updates, inner_state = inner.update(
+        grads, state.inner_state, master, **extra_args)
+    new_master = optax.apply_updates(master, inner_updates)
+
+    def written(p, m, u, old_low):
+      if not _trees.is_floating(p):
+        return u, old_low
+      if p.dtype == jnp.float32:
+        return u, low_bits_lib.split(m)[1]  # p + u is exactly m.
+      return low_bits_lib.written(p, m)
+
+    pairs = jax.tree_util.tree_map(written, params, new_master, inner_updates,
+                                   state.low_bits)
+    new_updates, new_low = jax.tree_util.tree_transpose(
+        jax.tree_util.tree_structure(params),
+        jax.tree_util.tree_structure((0, 0)), pairs)
+    return new_updates, LowBitsMasterState(low_bits=new_low,
+                                           inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
 def init_master_weights(
     optimizer: optax.GradientTransformation,
     params: PyTree,
@@ -124,12 +220,14 @@ def init_master_weights(
 
   Returns:
     `(half_params, opt_state)`: the real floating leaves of `params` cast
-    to `param_dtype` (complex and integer leaves as they are), and
-    `optimizer.init(params)`.
+    to `param_dtype` (truncated toward zero under
+    `master_weights(storage="low_bits")`, rounded to nearest otherwise;
+    complex and integer leaves as they are), and `optimizer.init(params)`.
 
   Raises:
     ValueError: `param_dtype` is not a floating dtype (an integer one would
-      truncate every weight).
+      truncate every weight), or is not bfloat16 (or float32) for an
+      optimizer with `storage="low_bits"`.
 
   >>> import jax.numpy as jnp, optax
   >>> tx = master_weights(optax.adam(1e-3))
@@ -142,7 +240,25 @@ def init_master_weights(
   param_dtype = arguments.require_float_dtype(param_dtype,
                                              "init_master_weights",
                                              "param_dtype")
-  return _trees.cast_floating(params, param_dtype), optimizer.init(params)
+  opt_state = optimizer.init(params)
+  if not _find_states(opt_state, LowBitsMasterState):
+    return _trees.cast_floating(params, param_dtype), opt_state
+  if param_dtype == np.dtype(jnp.float32):
+    return params, opt_state
+  if param_dtype != np.dtype(jnp.bfloat16):
+    raise ValueError(
+        "init_master_weights: master_weights(storage='low_bits') keeps the "
+        "params as the master's top 16 bits, bfloat16; param_dtype "
+        f"{param_dtype.name} is not. Pass jnp.bfloat16, or use "
+        "storage='full'.")
+  truncate = lambda x: (low_bits_lib.split(x)[0] if _trees.is_floating(x)
+                        else x)
+  return jax.tree_util.tree_map(truncate, params), opt_state
+
+
+def _find_states(opt_state, kind):
+  return [s for s in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)]
 
 
 def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
@@ -151,17 +267,24 @@ def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
   Exact, always: use it after a restore, or instead of
   `optax.apply_updates`.
 
+  A `storage="low_bits"` state holds only the master's low 16 bits: its
+  top bits are the current bfloat16 params, so pass them as `params`, cast
+  to float32, to get the float32 master (`params` in bfloat16 give the
+  master truncated, i.e. themselves).
+
   Args:
-    opt_state: a state holding exactly one `MasterWeightsState` anywhere
-      inside (also under `skip_nonfinite` or `optax.chain`).
+    opt_state: a state holding exactly one `MasterWeightsState` or
+      `LowBitsMasterState` anywhere inside (also under `skip_nonfinite` or
+      `optax.chain`).
     params: params whose real floating leaves give the dtypes to round
-      to; other leaves (complex, integer) come back as the master holds them.
+      to; other leaves (complex, integer) come back as the master holds them
+      (for `"low_bits"`, as `params` hold them).
 
   Returns:
     The rounded master, shaped like `params`.
 
   Raises:
-    ValueError: `opt_state` holds no `MasterWeightsState`, or several.
+    ValueError: `opt_state` holds no master state, or several.
 
   >>> import jax.numpy as jnp, optax
   >>> import mpolicy
@@ -172,12 +295,16 @@ def params_from_master(opt_state: PyTree, params: PyTree) -> PyTree:
 
   See also: `master_weights`.
   """
-  found = [s for s in jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
-           if isinstance(s, MasterWeightsState)]
+  found = _find_states(opt_state, (MasterWeightsState, LowBitsMasterState))
   if len(found) != 1:
-    raise ValueError("params_from_master: expected exactly one "
-                     f"MasterWeightsState in opt_state, found {len(found)}.")
+    raise ValueError(
+        "params_from_master: expected exactly one MasterWeightsState or "
+        f"LowBitsMasterState in opt_state, found {len(found)}.")
+  if isinstance(found[0], LowBitsMasterState):
+    master = low_bits_lib.masters(params, found[0].low_bits)
+    return jax.tree_util.tree_map(
+        lambda m, p: (low_bits_lib.split(m)[0] if _trees.is_floating(p)
+                      and p.dtype != jnp.float32 else m), master, params)
   return jax.tree_util.tree_map(
       lambda m, p: m.astype(p.dtype) if _trees.is_floating(p) else m,
       found[0].master, params)

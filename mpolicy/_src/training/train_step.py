@@ -166,7 +166,12 @@ def make_train_step(
     param_rounding: `"nearest"`, or `"stochastic"` to write bfloat16 and
       float16 params with stochastic rounding (no float32 copy): the step
       runs `stochastic_params(optimizer)`, so make `opt_state` with
-      `stochastic_params(optimizer).init(params)`.
+      `stochastic_params(optimizer).init(params)`; or `"low_bits"` for
+      bfloat16 params that truncate an exact float32 master kept in 16
+      bits per parameter: the step runs `master_weights(optimizer,
+      storage="low_bits")`, so make `params, opt_state` with
+      `init_master_weights(master_weights(optimizer, storage="low_bits"),
+      params_f32, jnp.bfloat16)`.
     microbatches: how many microbatches to split the batch into (1: no
       accumulation, the step as it was). It must divide the leading axis of
       every batched array (of the local batch inside `pmap` /

@@ -1,0 +1,136 @@
+"""Cross-device sums in the dtype asked (`OpRules.with_collectives`).
+
+A sum across devices of half values (``psum``, ``pmean``'s sum,
+``psum_scatter``; inside ``shard_map`` or ``pmap``) runs in the values'
+dtype as written: bfloat16 partial sums added in bfloat16. With
+``sum_dtype`` set on the table, each such sum under amp casts its half
+operands to ``sum_dtype``, sums, and casts the result back to the
+operand's dtype, so what the program holds keeps its dtype and only the
+sum is wider. Nothing changes where no table asks, for operands already as
+wide, and as written (``full_precision()``, a float32 policy).
+
+Two collectives sum in their transpose, which JAX's AD writes when it
+differentiates the interpreted program: an ``all_gather`` (FSDP's gather of
+a weight shard; its transpose is a reduce-scatter of the gradient) and a
+``pvary`` (a replicated value used by varying ones; its transpose is a
+``psum`` of the gradient). Under ``sum_dtype`` each runs forward as
+written, inside a `jax.custom_vjp` whose backward is that transpose in
+``sum_dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpolicy._src import dtypes
+from mpolicy._src import jax_compat
+from mpolicy._src.rules import base
+from mpolicy._src.rules import classes
+from mpolicy._src.rules import facts
+from mpolicy._src.rules import fp8_mesh
+
+# The primitives that add values across devices: `lax.psum` (`psum` with
+# check_vma=False or under pmap, `psum_invariant` under check_vma=True),
+# `lax.psum_scatter` (`reduce_scatter`).
+SUMS = ("psum", "psum_invariant", "reduce_scatter")
+
+
+def _wider(op: base.Op) -> tuple[Optional[np.dtype], list]:
+  """``(sum_dtype, operand dtypes)``; ``sum_dtype`` is ``None`` where
+  nothing is asked or no floating operand is narrower."""
+  wide = op.rules.collective_sum_dtype
+  narrow = [dtypes.dtype_of(a) for a in op.args]
+  if wide is None or op.op_class == base.AS_WRITTEN or not any(
+      dtypes.is_float(d) and d.itemsize < wide.itemsize for d in narrow):
+    return None, narrow
+  return wide, narrow
+
+
+def _sum_in(op: base.Op) -> Optional[list]:
+  """The sum in the table's ``sum_dtype``, cast back; ``None`` (declines)
+  where nothing is asked or nothing is narrower."""
+  wide, narrow = _wider(op)
+  if wide is None:
+    return None
+  args = [base.cast_as_traced(op.env, a, wide)
+          if dtypes.is_float(d) and d.itemsize < wide.itemsize else a
+          for a, d in zip(op.args, narrow)]
+  outs = base.bind(op.eqn, args)
+  op.args = args
+  op.rule = f"sum in {wide.name}"
+  op.why = (f"cross-device sum in {wide.name} (OpRules.with_collectives), "
+            f"cast back to {', '.join(sorted({d.name for d in narrow}))}")
+  op.ran_in = wide.name
+  return [base.cast_as_traced(op.env, o, d) for o, d in zip(outs, narrow)]
+
+
+facts.register(SUMS, special=_sum_in)
+
+def _summed_back_in(op: base.Op) -> Optional[list]:
+  """The collective as written, its transpose (a sum) in ``sum_dtype``."""
+  wide, narrow = _wider(op)
+  if wide is None:
+    return None
+  eqn = op.eqn
+  widen = [wide if dtypes.is_float(d) and d.itemsize < wide.itemsize else d
+           for d in narrow]
+  # Zeros typed as the operands (their shapes, the wide dtype, the mesh
+  # axes they vary over): where `linear_transpose` reads the types from.
+  types = [(np.shape(a), d, jax_compat.varying_axes(a))
+           for a, d in zip(op.args, widen)]
+
+  def forward(*xs):
+    return tuple(base.bind(eqn, list(xs)))
+
+  @jax.custom_vjp
+  def collective(*xs):
+    return forward(*xs)
+
+  def fwd(*xs):
+    return collective(*xs), None
+
+  def bwd(_, cts):
+    cts = tuple(ct.astype(d) for ct, d in zip(cts, widen))
+    zeros = [jax_compat.make_varying(jnp.zeros(shape, d), vma)
+             for shape, d, vma in types]
+    back = jax.linear_transpose(forward, *zeros)(cts)
+    return tuple(b.astype(d) for b, d in zip(back, narrow))
+
+  collective.defvjp(fwd, bwd)
+  op.rule = "as written"
+  op.why = (f"runs as written; its transpose sums across devices in "
+            f"{wide.name} (OpRules.with_collectives)")
+  return list(collective(*op.args))
+
+
+def _pvary(op: base.Op) -> list:
+  """`pvary` as `_summed_back_in` runs it, else as its inputs; its inputs
+  recorded for the float8 scales (`fp8_mesh`)."""
+  outs = _summed_back_in(op)
+  return fp8_mesh.record_pvary(op, outs if outs is not None
+                               else classes.inputs(op))
+
+
+facts.register("all_gather", special=_summed_back_in)
+facts.register("pvary", special=_pvary)
+
+
+def check_sum_dtype(sum_dtype) -> Optional[np.dtype]:
+  """``sum_dtype`` as a floating ``np.dtype`` (or ``None``), else a
+  ValueError naming the argument."""
+  if sum_dtype is None:
+    return None
+  try:
+    dtype = np.dtype(sum_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not dtypes.is_float(dtype):
+    raise ValueError(
+        "OpRules.with_collectives: sum_dtype must be a floating dtype (e.g. "
+        "jnp.float32) or None (each sum in its operands' dtype), got "
+        f"{sum_dtype!r}.")
+  return dtype
