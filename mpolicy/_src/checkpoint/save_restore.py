@@ -243,7 +243,7 @@ class CheckpointManager:
     steps = self.all_steps()
     step = steps[-1] if step is None and steps else step
     path = None if step is None else self.path(step)  # A bad step named.
-    if step not in steps:  # Or none saved yet.
+    if path is None or step not in steps:  # Or none saved yet.
       of = "" if step is None else f" of step {step}"
       raise FileNotFoundError(
           f"CheckpointManager.restore: no checkpoint{of} in {self.directory};"
