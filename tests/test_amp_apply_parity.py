@@ -316,6 +316,13 @@ def _cuda_converts(variant):
   return converted_elements(text)
 
 
+def _logsumexp_recomputes_softmax() -> bool:
+  """Whether JAX's `logsumexp` derivative takes a second exp (a softmax)."""
+  grad = jax.grad(lambda a: jax.nn.logsumexp(a, -1).sum())
+  return sum(e.primitive.name == "exp"
+             for e in _helpers.all_eqns(grad, jnp.ones((2, 4)))) > 1
+
+
 def test_amp_over_apply_converts_no_more_than_transform_amp_on_cuda():
   # Read from the CUDA lowering (no GPU needed). Code traced in float32
   # divides softmax's exponentials by a float32 sum and centres layer norms
@@ -324,4 +331,15 @@ def test_amp_over_apply_converts_no_more_than_transform_amp_on_cuda():
   # transform_amp on this model, 2026-11-25).
   ta, amp = _cuda_converts("ta"), _cuda_converts("amp")
   assert ta[("f32", "bf16")] > 0 and amp[("f32", "bf16")] > 0, (ta, amp)
-  assert sum(amp.values()) <= sum(ta.values()), (amp, ta)
+  # The loss's `logits.astype(float32)` is no cast in code traced in
+  # float32: under amp the loss reads the bfloat16 logits, under
+  # transform_amp float32 ones. From JAX 0.12.1 `logsumexp` has a custom
+  # JVP that computes `softmax(logits)` again: under amp one more exp of
+  # the bfloat16 logits (read in float32, stored in bfloat16) and its sum
+  # rounded to bfloat16, two logits-sized converts and a row-sized one
+  # that transform_amp's float32 loss does not make (146,405 against
+  # 142,405 on jax 0.12.1; 144,197 against 144,325 on 0.10.2).
+  batch, seq, vocab = 2, 16, 64
+  extra = (2 * batch * seq * vocab + batch * seq
+           if _logsumexp_recomputes_softmax() else 0)
+  assert sum(amp.values()) <= sum(ta.values()) + extra, (amp, ta)

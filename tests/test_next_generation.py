@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 
 import haiku as hk
 import jax
@@ -293,6 +294,27 @@ def test_a_recomputing_jvp_rule_keeps_its_derivative():
   for a, b in zip(got, want):
     assert a.dtype == F32
     np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif("jax_custom_jvp3" not in FLAGS,
+                    reason="this JAX has no jax_custom_jvp3")
+def test_a_jvp_rule_jax_makes_from_more_is_refused_by_name(monkeypatch):
+  # JAX makes a custom_jvp's rule from what the rule closes over; one more
+  # argument (as JAX 0.12.1 added the operands' tree) that mpolicy cannot
+  # find is an error naming it, not the rule run at float32.
+  hijax = jax_compat.hijax._hijax_module  # pylint: disable=protected-access
+  make = hijax._custom_jvp_rule  # pylint: disable=protected-access
+  signature = inspect.signature(make)
+  def with_more(*args):
+    return make(*args[:len(signature.parameters)])
+  with_more.__signature__ = signature.replace(parameters=[
+      *signature.parameters.values(),
+      inspect.Parameter("layout_tree", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+  with flags_on(("jax_custom_jvp3",)):
+    monkeypatch.setattr(hijax, "_custom_jvp_rule", with_more)
+    with pytest.raises(NotImplementedError,
+                       match="'_sin_fake_jvp'.* from 'layout_tree'"):
+      jax.grad(mpolicy.amp(_custom_jvp, HALF))(X, W)
 
 
 # --- What each construct keeps --------------------------------------------------

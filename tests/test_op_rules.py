@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from mpolicy._src import jax_compat
 from mpolicy._src import op_rules
 from mpolicy._src.op_rules import DEFAULT_RULES, OpRules
 
@@ -97,3 +98,25 @@ def test_op_rules_deep_copy_and_pickle_round_trip():
     with pytest.raises(TypeError):
       again._table["exp"] = ("lower", "")  # Still immutable.
   assert pickle.loads(pickle.dumps(DEFAULT_RULES)) == DEFAULT_RULES
+
+
+def test_every_primitive_of_the_installed_jax_has_an_entry():
+  # A class, a reason it runs in its inputs' dtype, or a higher-order rule:
+  # a primitive a newer JAX adds is named here, never run silently.
+  missing = [p.name for p in jax_compat.public_primitives()
+             if op_rules.entry_of(p) is None]
+  assert not missing, (
+      f"primitives of JAX {jax.__version__} new to mpolicy: {missing}. Give "
+      "each a class or a reason it runs in its inputs' dtype "
+      "(mpolicy/_src/rules/classes.py), or a higher-order rule; a name "
+      "only some JAX versions define goes on "
+      "jax_compat.VERSION_SPECIFIC_PRIMITIVES.")
+
+
+def test_an_entry_says_how_the_primitive_runs():
+  assert op_rules.entry_of(jax.lax.exp_p) == (
+      "full: " + DEFAULT_RULES.reason_of("exp"))
+  assert op_rules.entry_of(jax.lax.add_p).startswith("inputs: ")
+  assert op_rules.entry_of(jax.lax.while_p) == "interpreted"
+  toy = jax_compat.new_primitive("toy_unknown_to_mpolicy")
+  assert op_rules.entry_of(toy) is None

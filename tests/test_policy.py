@@ -125,6 +125,18 @@ def test_unknown_dtype_message_says_unknown_dtype():
   assert "Unknown dtype 'e5m2'" in _error("c=e5m2")
 
 
+@pytest.mark.parametrize("name", ["float8_e5m2", "float8_e5m3fnu",
+                                  "float4_e2m1fn", "float8_e8m0fnu"])
+def test_a_jax_float_dtype_no_policy_holds_is_named_as_such(name):
+  if not hasattr(jnp, name):
+    pytest.skip(f"JAX {jax.__version__} has no {name}")
+  message = _error(f"p=f32,c={name}")
+  assert f"{name!r} in part 'c={name}'" in message
+  assert "is a JAX floating dtype that no policy holds" in message
+  assert "float8_e4m3fn (f8)" in message
+  _assert_lists_valid_names(message)
+
+
 def test_unknown_key_message_says_unknown_key():
   assert "Unknown key 'x=f16'" in _error("p=f32,x=f16")
 

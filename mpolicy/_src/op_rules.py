@@ -42,6 +42,7 @@ import numpy as np
 
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
+from mpolicy._src import sub_computations
 from mpolicy._src import rules as _families  # pylint: disable=unused-import  (registers their facts)
 from mpolicy._src.rules import collectives
 from mpolicy._src.rules import custom
@@ -80,6 +81,24 @@ def known_primitive_names() -> frozenset[str]:
 
 
 rule_name = custom.rule_name
+
+
+def entry_of(primitive) -> Optional[str]:
+  """How mpolicy runs ``primitive``, in one line: its class and reason,
+  why it runs in its inputs' dtype, or how its sub-computations are
+  handled; ``None`` for a primitive new to mpolicy (a test names each
+  primitive of the installed JAX without one).
+
+  >>> import jax
+  >>> entry_of(jax.lax.exp_p).split(":")[0], entry_of(jax.lax.scan_p)
+  ('full', 'interpreted')
+  >>> entry_of(jax.lax.add_p).startswith("inputs: element-wise")
+  True
+  """
+  known = facts_lib.of(primitive)
+  if known.op_class is not None or known.reason:
+    return f"{known.op_class or 'inputs'}: {known.reason}"
+  return sub_computations.handling(primitive)
 
 
 def _check_known(names: Iterable[str], where: str, known: frozenset[str],

@@ -412,10 +412,29 @@ def _parse_dtype(name: str, part: str, spec: str) -> Any:
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
+    if _is_jax_float_name(name):
+      raise ValueError(
+          f"{name!r} in part {part!r} of policy {spec!r} is a JAX floating "
+          f"dtype that no policy holds: params and outputs are float32, "
+          f"bfloat16, float16 or float64, and float8 computes as "
+          f"float8_e4m3fn (f8) with scales, or in a block format. Valid "
+          f"dtype names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}."
+      ) from None
     raise ValueError(
         f"Unknown dtype {name!r} in part {part!r} of policy {spec!r}. "
         f"Valid dtype names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}."
     ) from None
+
+
+def _is_jax_float_name(name: str) -> bool:
+  """Whether ``name`` names one of the installed JAX's floating dtypes
+  (``float8_e5m2``, JAX 0.12.1's ``float8_e5m3fnu``, ``float4_e2m1fn``,
+  ...)."""
+  dt = getattr(jnp, name, None)
+  try:
+    return dt is not None and jnp.issubdtype(np.dtype(dt), jnp.floating)
+  except TypeError:
+    return False
 
 
 def _reject_fp8_storage(name: str, part: str, spec: str):

@@ -194,11 +194,11 @@ def custom_primal(obj) -> Optional[jex_core.ClosedJaxpr]:
   return getattr(traced, "jaxpr", None)
 
 
-def _traced_with(traced, jaxpr: jex_core.ClosedJaxpr):
+def _traced_with(traced, jaxpr: jex_core.ClosedJaxpr, out_tree=None):
   """``traced`` (a `jax.stages.Traced`) with another jaxpr of the same
-  argument and result structure."""
+  argument and result structure (or results in ``out_tree``)."""
   args = [list(jaxpr.in_avals), dict(traced._params, jaxpr=jaxpr),  # pylint: disable=protected-access
-          traced._in_tree, traced.out_tree, traced._consts]  # pylint: disable=protected-access
+          traced._in_tree, out_tree or traced.out_tree, traced._consts]  # pylint: disable=protected-access
   if "_fun_sourceinfo" in _stages.Traced.__slots__:
     args.append(traced._fun_sourceinfo)  # pylint: disable=protected-access
   return _stages.Traced(*args)
@@ -215,7 +215,7 @@ def custom_vjp_rebuild(obj, primal: jex_core.ClosedJaxpr, fwd) -> Any:
   return _rebuild(obj, traced=traced, fwd=fwd)
 
 
-def _jvp_rule_for(rule, traced):
+def _jvp_rule_for(rule, traced, symbolic_zeros):
   """``rule`` (a ``CustomJVPTraced``'s) made again for ``traced``: JAX's
   wrapper of the user's JVP function checks its outputs against the primal
   function's result types, which change when the primal is re-typed. A
@@ -225,14 +225,25 @@ def _jvp_rule_for(rule, traced):
   if make is None or code is None or not rule.__qualname__.startswith(
       "_custom_jvp_rule."):
     return rule
+  # What `make` takes beyond ``traced`` is what ``rule`` closes over (JAX
+  # 0.12.1 adds ``args_ft``, the operands' tree, and keeps
+  # ``symbolic_zeros`` only as the construct's param). There the rule
+  # checks its outputs against the user function's result tree, which the
+  # construct's flat ``traced`` does not have.
   cells = dict(zip(code.co_freevars,
                    (c.cell_contents for c in rule.__closure__ or ())))
-  try:
-    remade = make(traced, cells["jvp_fun"], cells["symbolic_zeros"],
-                  cells["static_argnums"])
-  except (KeyError, TypeError):
-    return rule
-  return keep_name(remade, rule)
+  cells.setdefault("symbolic_zeros", symbolic_zeros)
+  if "out_tree" in cells:
+    traced = _traced_with(traced, traced.jaxpr, cells["out_tree"])
+  names = list(inspect.signature(make).parameters)[1:]
+  missing = [n for n in names if n not in cells]
+  if missing:
+    raise NotImplementedError(
+        f"mpolicy cannot re-type the JVP rule of custom_jvp "
+        f"{traced.fun_name!r} under jax_custom_jvp3: JAX {jax.__version__} "
+        f"makes the rule from {', '.join(map(repr, missing))}, which the "
+        f"rule does not hold. Run with jax_custom_jvp3 off.")
+  return keep_name(make(traced, *(cells[n] for n in names)), rule)
 
 
 def custom_jvp_rebuild(obj, primal: jex_core.ClosedJaxpr, wrap) -> Any:
@@ -244,7 +255,7 @@ def custom_jvp_rebuild(obj, primal: jex_core.ClosedJaxpr, wrap) -> Any:
   params = construct_params(obj)
   traced = _traced_with(params["traced"], primal)
   in_avals = jax.tree_util.tree_unflatten(obj.in_tree, list(primal.in_avals))
-  rule = _jvp_rule_for(params["jvp_rule"], traced)
+  rule = _jvp_rule_for(params["jvp_rule"], traced, params["symbolic_zeros"])
   return _rebuild(obj, traced=traced, jvp_rule=wrap(rule, params["jvp_rule"]),
                   in_avals=in_avals)
 

@@ -207,6 +207,13 @@ VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {
     # Replaced by `eval_jaxpr` (present in 0.10.2, gone in 0.12; see `calls`).
     "closed_call": (None, (0, 12, 0)),
     "call": (None, (0, 12, 0)),
+    # New element-wise primitives (`rules.classes` gives each its rule).
+    "log2": ((0, 11, 2), None),
+    "one_minus_square": ((0, 11, 2), None),
+    "polynomial": ((0, 12, 0), None),
+    **dict.fromkeys(("acospi", "asinpi", "atan2pi", "atanpi", "cospi",
+                     "sinpi", "tanpi", "exp2m1", "log2p1", "fma", "fmuladd"),
+                    ((0, 12, 1), None)),
 }
 
 _absent: set[str] = set()
@@ -320,6 +327,14 @@ def _primitives(packages: tuple[str, ...]) -> dict:
   _primitives_cache.clear()
   _primitives_cache[key] = found
   return found
+
+
+def public_primitives() -> list:
+  """The distinct primitives `jax.extend.core.primitives` exports (JAX's
+  public list of its primitives), sorted by name."""
+  found = {id(p): p for p in vars(_jex_primitives).values()
+           if isinstance(p, jex_core.Primitive)}
+  return sorted(found.values(), key=lambda p: p.name)
 
 
 def primitive_names(packages=("jax",)) -> frozenset[str]:
@@ -565,6 +580,7 @@ __all__ = [
     "open_jaxpr_with_consts_first",
     "out_varying_axes",
     "primitive_names",
+    "public_primitives",
     "primitives_named",
     "remat_p",
     "scan_p",

@@ -12,6 +12,8 @@ higher-order rules ask for a sub-jaxpr by its role (``"body"``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
+import enum
 import functools
 from typing import Any, Optional
 
@@ -286,6 +288,30 @@ def dot_params(eqn) -> tuple[Any, Any]:
   return eqn.params["dimension_numbers"], eqn.params.get("precision")
 
 
+def reduction_order(eqn):
+  """The ``reduction_order`` an equation names (JAX 0.12.1: `dot_general`,
+  `ragged_dot_general`, the reductions), or None."""
+  return eqn.params.get("reduction_order")
+
+
+def is_leaf_order(order) -> bool:
+  """Whether a ``reduction_order`` is one order for a whole contraction
+  (None, ``linear``, ``unordered``, a named intrinsic) rather than a
+  composite of orders (tiles, padding, a cast, a ring), whose parts name
+  dimensions of the result."""
+  if order is None or isinstance(order, (str, enum.Enum)):
+    return True
+  return dataclasses.is_dataclass(order) and all(
+      isinstance(getattr(order, f.name), (str, type(None)))
+      for f in dataclasses.fields(order))
+
+
+def unknown_params(eqn, known) -> list[str]:
+  """The sorted names of ``eqn``'s params that are not in ``known`` (what
+  a newer JAX added that a rule does not know how to carry)."""
+  return sorted(set(eqn.params) - set(known))
+
+
 def ragged_dot_dimension_numbers(eqn):
   """A `ragged_dot_general` equation's ragged dimension numbers."""
   return eqn.params["ragged_dot_dimension_numbers"]
@@ -359,11 +385,13 @@ __all__ = [
     "custom_jvp_num_consts",
     "dot_params",
     "is_collective",
+    "is_leaf_order",
     "kernel_name",
     "matmul_flops",
     "out_sharding",
     "params_with_result_dtype",
     "ragged_dot_dimension_numbers",
+    "reduction_order",
     "result_dtype",
     "scan_counts",
     "scan_layout",
@@ -371,5 +399,6 @@ __all__ = [
     "shard_map_like",
     "shard_map_manual_axes",
     "sub_jaxpr",
+    "unknown_params",
     "while_counts",
 ]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import dtypes
+from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
@@ -176,6 +177,23 @@ class Op:
 
 
 Rule = Callable[[Op], Optional[list]]
+
+
+def check_params(eqn, known) -> None:
+  """Refuses an equation with a param its rule does not carry (one a newer
+  JAX added): every param survives its rule, or the rule says which not.
+
+  Raises:
+    UnsupportedPrimitiveError: naming each such param.
+  """
+  unknown = jax_compat.unknown_params(eqn, known)
+  if unknown:
+    raise higher_order.UnsupportedPrimitiveError(
+        f"mpolicy cannot carry the param(s) {', '.join(map(repr, unknown))} "
+        f"of {eqn.primitive.name!r} through its rule (it carries "
+        f"{', '.join(known)}). Run the op inside `mpolicy.full_precision()`, "
+        f"or give it a rule of your own with `OpRules.with_rule"
+        f"({eqn.primitive.name!r}, fn)`.")
 
 
 def bind(eqn, args, params=None) -> list:

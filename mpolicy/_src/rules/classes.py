@@ -369,11 +369,15 @@ for _name, _reason in {
     "exp": "exp overflows half beyond ~11 (autocast fp32 list)",
     "exp2": "exp2 overflows half (autocast fp32 list)",
     "expm1": "expm1 loses precision near 0 in half (autocast fp32 list)",
+    "exp2m1": "exp2m1 loses precision near 0 in half (as expm1)",
     "log": "log loses precision in half (autocast fp32 list)",
+    "log2": "log2 loses precision in half (as log)",
     "log1p": "log1p loses precision near 0 in half (autocast fp32 list)",
+    "log2p1": "log2p1 loses precision near 0 in half (as log1p)",
     "pow": "pow overflows half (autocast fp32 list)",
     "integer_pow": _SQUARES.format(n="n"),
     "square": _SQUARES.format(n="2"),
+    "one_minus_square": _SQUARES.format(n="2"),
     "rsqrt": "rsqrt of small variances overflows half (autocast fp32 list)",
     "erf_inv": "erf_inv diverges near +-1 (autocast fp32 list)",
     "lgamma": "lgamma overflows half (autocast fp32 list)",
@@ -386,17 +390,30 @@ for _name, _reason in {
     "bessel_i0e": _TRANSCENDENTAL,
     "bessel_i1e": _TRANSCENDENTAL,
     "acos": "acos loses precision near +-1 (autocast fp32 list)",
+    "acospi": "acospi loses precision near +-1 (as acos)",
     "asin": "asin loses precision near +-1 (autocast fp32 list)",
+    "asinpi": "asinpi loses precision near +-1 (as asin)",
     "cosh": "cosh overflows half (autocast fp32 list)",
     "sinh": "sinh overflows half (autocast fp32 list)",
     "tan": "tan loses precision near poles (autocast fp32 list)",
+    "tanpi": "tanpi loses precision near poles (as tan)",
 }.items():
   facts.register(_name, op_class=FULL, reason=_reason, elementwise=True)
 
 # Element-wise primitives a user may class `full` (no class by default):
 # as `full` ops they too compute in float32 and store bfloat16.
-facts.register(("sqrt", "cbrt", "erf", "erfc", "atan", "acosh", "asinh",
-                "atanh", "tanh", "logistic", "sin", "cos"), elementwise=True)
+facts.register(("sqrt", "cbrt", "erf", "erfc", "atan", "atanpi", "acosh",
+                "asinh", "atanh", "tanh", "logistic", "sin", "sinpi", "cos",
+                "cospi"), elementwise=True)
+
+# Several operands, always float32.
+facts.register("fma", op_class=FULL, reason=(
+    "fused multiply-add: its one rounding of a*b+c is its point (and "
+    "XLA:CPU has no half fma)"))
+facts.register("polynomial", op_class=FULL, reason=(
+    "powers of x overflow half, and its sum of terms rounds in half (as "
+    "pow)"))
+facts.register("igamma_grad_a", op_class=FULL, reason=_TRANSCENDENTAL)
 
 # Reductions and scans that sum (or multiply) many values: float32 results.
 facts.register(("reduce_sum", "reduce_window_sum", "cumsum", "cumlogsumexp"),
@@ -413,12 +430,13 @@ facts.register((
 
 # Operations that combine several inputs into one array.
 facts.register(("concatenate", "select_n", "dynamic_update_slice", "scatter",
-                "scatter-add", "scatter-mul", "pad", "clamp", "atan2"),
+                "scatter-add", "scatter-mul", "pad", "clamp", "atan2",
+                "atan2pi"),
                op_class=PROMOTE, reason=_PROMOTE)
 
 # Element-wise primitives that broadcast size-1 dimensions of their operands.
 facts.register(("add", "add_any", "sub", "mul", "div", "rem", "pow", "max",
-                "min", "atan2", "nextafter", "select_n", "clamp"),
+                "min", "atan2", "atan2pi", "nextafter", "select_n", "clamp"),
                broadcasts=True)
 
 # Products and quotients: a small relative error whatever the operands'
@@ -461,3 +479,48 @@ facts.register(("scatter", "scatter-add", "scatter-sub", "scatter-mul",
                 "scatter-min", "scatter-max", "reduce", "reduce_window",
                 "select_and_scatter", "select_and_gather_add"),
                combines_scalars=True)
+
+# --- The primitives that run in their inputs' dtype, and why -----------------
+# Every primitive has an entry: a class above, a family's, a higher-order
+# rule, or one of these reasons (no class: the dtype of its inputs). A
+# primitive a newer JAX adds has none until it is given one, and a test
+# names it.
+
+_INPUTS = {
+    ("add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg",
+     "abs", "sign", "floor", "ceil", "round", "nextafter", "conj", "real",
+     "imag", "complex", "fmuladd", "clz", "population_count", "not", "and",
+     "or", "xor", "shift_left", "shift_right_arithmetic",
+     "shift_right_logical"):
+        "element-wise arithmetic, one rounding: runs in its inputs' dtype "
+        "(autocast's lists leave it there)",
+    ("sqrt", "cbrt", "erf", "erfc", "atan", "atanpi", "acosh", "asinh",
+     "atanh", "tanh", "logistic", "sin", "sinpi", "cos", "cospi"):
+        "bounded, well conditioned in half: runs in its inputs' dtype "
+        "(autocast's lists leave it there; with_ops(full=...) moves it)",
+    ("eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
+     "is_finite"):
+        "compares: exact in any dtype",
+    ("reshape", "transpose", "squeeze", "slice", "dynamic_slice", "rev",
+     "copy", "broadcast_in_dim", "gather", "iota", "sort", "top_k",
+     "approx_top_k", "argmax", "argmin", "stop_gradient", "reduce_max",
+     "reduce_min", "reduce_and", "reduce_or", "reduce_xor",
+     "reduce_window_max", "reduce_window_min", "cummax", "cummin",
+     "select_and_scatter_add"):
+        "moves, picks or compares values: exact in any dtype",
+    ("convert_element_type", "bitcast_convert_type", "reduce_precision"):
+        "the code's own cast or rounding: runs as written (special rules)",
+    ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
+     "ragged_all_to_all", "axis_index"):
+        "a collective over devices: runs in its operands' dtype",
+    ("random_bits", "random_fold_in", "random_gamma", "random_seed",
+     "random_split", "random_wrap", "random_unwrap", "rng_bit_generator",
+     "rng_uniform", "threefry2x32"):
+        "random numbers: keys and bits, as written",
+    ("after_all", "create_token", "device_put", "sharding_constraint",
+     "name", "empty2", "get", "swap", "fft"):
+        "placement, sharding, tokens, references, or a transform with its "
+        "own dtype rules: as written",
+}
+for _names, _reason in _INPUTS.items():
+  facts.register(_names, reason=_reason)

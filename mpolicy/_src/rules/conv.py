@@ -286,8 +286,16 @@ def fp8_conv_general_dilated(lhs, rhs, *, out_dtype: Optional[Any] = None,
 # --- The rules ----------------------------------------------------------------
 
 
+CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+               "dimension_numbers", "feature_group_count", "batch_group_count",
+               "precision", "preferred_element_type", "out_sharding")
+"""The `conv_general_dilated` params the half convolution carries
+(``preferred_element_type`` is the one it decides)."""
+
+
 def _lower_conv(op: base.Op, compute, out_dtype) -> list:
   del compute
+  base.check_params(op.eqn, CONV_PARAMS)
   return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
                                    out_dtype=out_dtype,
                                    out_sharding=jax_compat.out_sharding(op.eqn))]

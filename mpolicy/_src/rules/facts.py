@@ -40,7 +40,9 @@ class Facts:
   Attributes:
     op_class: its class in the shipped table (``lower``, ``full``,
       ``promote``), or ``None``: it runs in its inputs' dtype.
-    reason: the one-line reason `explain` shows for ``op_class``.
+    reason: the one-line reason `explain` shows for ``op_class``; with no
+      class, why the primitive runs in its inputs' dtype (every primitive
+      has a class, a reason, or a higher-order rule: `op_rules.entry_of`).
     elementwise: it acts element by element on one floating operand, so as
       a ``full`` op under a bfloat16 policy it computes in float32 and
       stores its result in bfloat16.
@@ -157,8 +159,11 @@ def register(prims: Primitives, **facts: Any) -> None:
     raise ValueError(f"register(): op_class must be one of {CLASSES}, got "
                      f"{op_class!r}")
   for p in _primitives(prims):
-    new = dataclasses.replace(_FACTS.get(p, _EMPTY), **facts)
-    if new.op_class is not None and not new.reason:
+    old = _FACTS.get(p, _EMPTY)
+    new = dataclasses.replace(old, **facts)
+    if new.op_class is not None and (
+        not new.reason or (old.op_class is None and "reason" not in facts)):
+      # (A reason without a class says why it runs in its inputs' dtype.)
       raise ValueError(f"register({p.name!r}): a class needs a reason, the "
                        "one line `explain` shows")
     _FACTS[p] = new

@@ -108,15 +108,16 @@ def canonical_form(lhs, rhs, dimension_numbers, *, lhs_mk=False, rhs_kn=False):
 
 def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
                     out_dtype: Any, compute_dtype: Any = None,
-                    out_sharding: Any = None):
+                    out_sharding: Any = None, reduction_order: Any = None):
   """``dot_general`` in ``compute_dtype``, float32 accumulation, cast.
 
   The operands are cast to ``compute_dtype`` (default: ``lhs``'s dtype)
   inside the primitive. So a float32 parameter can be passed as it is: the
   forward pass multiplies its half copy, and its gradient comes straight
   from the float32 accumulator instead of being rounded to half and back.
-  ``out_sharding`` is `dot_general`'s (explicit sharding); the param is
-  bound only when given.
+  ``out_sharding`` (explicit sharding) and ``reduction_order`` (the order
+  the float32 accumulator sums the products in, JAX 0.12.1) are
+  `dot_general`'s; each param is bound only when given.
 
   >>> import jax.numpy as jnp
   >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
@@ -127,7 +128,9 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
   """
   compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
                            else compute_dtype)
-  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+  extra = {k: v for k, v in (("out_sharding", out_sharding),
+                             ("reduction_order", reduction_order))
+           if v is not None}
   return amp_primitive.bind(amp_dot_general_p, lhs, rhs,
                             dimension_numbers=dimension_numbers,
                             precision=precision, out_dtype=np.dtype(out_dtype),
@@ -135,9 +138,10 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
 
 
 def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype, out_sharding=None, pin_lhs=False):
+                   compute_dtype, out_sharding=None, reduction_order=None,
+                   pin_lhs=False):
   lhs, rhs = _cast(lhs, compute_dtype), _cast(rhs, compute_dtype)
-  if out_sharding is None:
+  if out_sharding is None and reduction_order is None:
     a, b, dims, out_shape = canonical_form(lhs, rhs, dimension_numbers,
                                            lhs_mk=pin_lhs)
     if pin_lhs:
@@ -146,24 +150,34 @@ def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
                           preferred_element_type=jnp.float32)
     out = out.reshape(out_shape)
   else:
-    # With an output sharding the operands keep their layout (merging a
-    # sharded dimension is not always expressible); they are widened
+    # With an output sharding or a reduction order the operands keep their
+    # layout (merging a sharded dimension is not always expressible, and a
+    # composite order names the result's dimensions); they are widened
     # instead, which gives the same products (a product of two half values
     # is exact in float32) and float32 accumulation on every backend.
     out = lax.dot_general(
         _cast(lhs, jnp.float32), _cast(rhs, jnp.float32), dimension_numbers,
         precision=precision, preferred_element_type=jnp.float32,
-        out_sharding=out_sharding)
-  return out.astype(out_dtype)
+        out_sharding=out_sharding, **_order_kw(reduction_order))
+  return _cast(out, out_dtype)
+
+
+def _order_kw(reduction_order) -> dict:
+  return {} if reduction_order is None else {"reduction_order":
+                                             reduction_order}
 
 
 def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                     compute_dtype, out_sharding=None):
-  """GPU/TPU: the half dot asked for ``out_dtype`` directly."""
-  return lax.dot_general(
+                     compute_dtype, out_sharding=None, reduction_order=None):
+  """GPU/TPU: the half dot asked for ``out_dtype`` directly; with a
+  reduction order, for float32 (an order sums in the result's dtype)."""
+  out = lax.dot_general(
       _cast(lhs, compute_dtype), _cast(rhs, compute_dtype), dimension_numbers,
-      precision=precision, preferred_element_type=out_dtype,
-      out_sharding=out_sharding)
+      precision=precision,
+      preferred_element_type=(out_dtype if reduction_order is None
+                              else jnp.float32),
+      out_sharding=out_sharding, **_order_kw(reduction_order))
+  return _cast(out, out_dtype)
 
 
 def _free_dims(ndim, contracting, batch) -> list[int]:
@@ -177,7 +191,7 @@ def _ndim(x) -> int:
 
 
 def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype, out_sharding=None):
+                   compute_dtype, out_sharding=None, reduction_order=None):
   """The cotangent of one operand: another amp dot (half x half, float32
   accumulation), so backward matmuls keep the rules at every order.
 
@@ -185,8 +199,11 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
   dims. Of the two operand orders, ``dot(ct, other)`` and ``dot(other, ct)``,
   it takes one whose result is already in the operand's layout (the weight
   gradient of ``x @ w`` is ``dot(x, ct)``), so no transpose is needed.
+  A reduction order is the forward contraction's: as in JAX's own
+  transposes, the backward products (summing over other dimensions) take
+  none.
   """
-  del out_dtype, out_sharding
+  del out_dtype, out_sharding, reduction_order
   operand, other = amp_primitive.operands(side, x, y)
   (lc, rc), (lb, rb) = dimension_numbers
   lf = _free_dims(_ndim(x), lc, lb)
@@ -235,25 +252,36 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
 
 
 def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
-               out_dtype, compute_dtype, out_sharding=None):
+               out_dtype, compute_dtype, out_sharding=None,
+               reduction_order=None):
   del out_sharding  # vmap of an explicitly sharded dot: JAX's own rule.
   lhs, rhs = batched_args
+  if not jax_compat.is_leaf_order(reduction_order):
+    # A composite order names the result's dimensions: JAX's own batching
+    # of the (widened) dot moves them.
+    composite = functools.partial(
+        _dot_composite, dimension_numbers=dimension_numbers,
+        precision=precision, out_dtype=out_dtype, compute_dtype=compute_dtype,
+        reduction_order=reduction_order)
+    return jax.vmap(composite, in_axes=tuple(batch_dims))(lhs, rhs), 0
   new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
       (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)
   out = amp_dot_general(lhs, rhs, dimension_numbers=new_dims,
                         precision=precision, out_dtype=out_dtype,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype,
+                        reduction_order=reduction_order)
   return out, out_dim
 
 
 def _as_dot_general(*, dimension_numbers, precision, out_dtype,
-                    compute_dtype, out_sharding=None):
+                    compute_dtype, out_sharding=None, reduction_order=None):
   """What remat policies see (``dots_saveable`` and co.): the
   ``dot_general`` it stands for."""
   del compute_dtype
   return lax.dot_general_p, dict(
       dimension_numbers=dimension_numbers, precision=precision,
-      preferred_element_type=np.dtype(out_dtype), out_sharding=out_sharding)
+      preferred_element_type=np.dtype(out_dtype), out_sharding=out_sharding,
+      **_order_kw(reduction_order))
 
 
 amp_primitive.define(
@@ -441,13 +469,23 @@ def _lower_dot(op: base.Op, compute, out_dtype) -> list:
   saving a float32 activation for the backward pass would double the memory
   its half copy needs."""
   env = op.env
+  base.check_params(op.eqn, DOT_PARAMS)
   lhs, rhs = (w if env.is_param(w := env.wider_source(a)) else a
               for a in op.args)
   dimension_numbers, precision = jax_compat.dot_params(op.eqn)
+  order = jax_compat.reduction_order(op.eqn)
+  if order is not None:
+    op.why += f"; reduction_order={order!r} kept (float32 accumulator)"
   return [amp_dot_general(
       lhs, rhs, dimension_numbers=dimension_numbers, precision=precision,
       out_dtype=out_dtype, compute_dtype=compute,
-      out_sharding=jax_compat.out_sharding(op.eqn))]
+      out_sharding=jax_compat.out_sharding(op.eqn), reduction_order=order)]
+
+
+DOT_PARAMS = ("dimension_numbers", "precision", "preferred_element_type",
+              "out_sharding", "reduction_order")
+"""The `dot_general` params the half matmul carries (``preferred_element_type``
+is the one it decides: float32 accumulation)."""
 
 
 FP8_REASON = ("{} scaled float8_e4m3fn operands (scale = amax/448), float32 "
@@ -467,7 +505,11 @@ def _dot_sizes(eqn) -> tuple[int, ...]:
 
 
 def _lower_dot_fp8(op: base.Op) -> Optional[list]:
-  """The float8 matmul, where `fp8_placement.admit` lets it run."""
+  """The float8 matmul, where `fp8_placement.admit` lets it run (not for a
+  dot that names a reduction order: scaled float8 products sum as the
+  format's kernel does, so it runs as under bfloat16, keeping the order)."""
+  if jax_compat.reduction_order(op.eqn) is not None:
+    return None
   options = op.rules.fp8
   fmt = block_matmul.format_of_op(op)
   admitted = fp8_placement.admit(
