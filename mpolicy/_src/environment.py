@@ -147,6 +147,12 @@ class Env:
       self._keep.append(wide)
     return wide
 
+  def param_source(self, x):
+    """The parameter or input ``x`` was cast down from here, else ``None``
+    (nothing is made to find out)."""
+    wide = self._wider.get(id(x)) if dtypes.is_traced(x) else None
+    return None if callable(wide) or not self.is_param(wide) else wide
+
   def mark_wider(self, x, make_source) -> None:
     """Records that ``x`` is ``make_source()`` cast down; the source is
     made only if `wider_source` asks for it."""

@@ -248,3 +248,32 @@ def test_gpt_attention_in_bfloat16_linears_in_float8():
              for r in attention)
   assert {r.ran_in for r in rows if r.module_class == "hk.Linear"} == {
       "float8_e4m3fn"}
+
+
+@pytest.mark.parametrize("fmt, ran_in", [("f8", "float8_e4m3fn"),
+                                         ("mxfp8", "mxfp8"),
+                                         ("nvfp4", "nvfp4")])
+def test_a_tied_head_of_a_table_cast_by_the_code_is_a_weight_matmul(fmt,
+                                                                   ran_in):
+  nn = pytest.importorskip("flax.linen")
+
+  class Tied(nn.Module):
+
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(64, 32, dtype=jnp.bfloat16)  # Casts the table.
+      return embed.attend(embed(ids))  # x @ table.T
+
+  ids = jnp.arange(8).reshape(2, 4)
+  params = Tied().init(jax.random.PRNGKey(0), ids)
+  policy = f"p=f32,c={fmt},o=f32"
+  tied = mpolicy.amp(Tied().apply, policy)
+  (head,) = _dots(mpolicy.explain(tied, params, ids))
+  assert head.ran_in == ran_in and ACTIVATIONS not in head.decided_by
+  # The numbers of the head on the float32 table itself (its result in
+  # float32, rounded to the tied head's bfloat16).
+  table = params["params"]["Embed_0"]["embedding"]
+  rows = jnp.take(table.astype(jnp.bfloat16), ids, axis=0)
+  plain = mpolicy.amp(lambda t: rows.astype(jnp.float32) @ t.T, policy)
+  np.testing.assert_array_equal(tied(params, ids),
+                                plain(table).astype(jnp.bfloat16))

@@ -44,6 +44,9 @@ class RuleEnv(Protocol):
   def wider_source(self, x):
     """The wider value ``x`` was cast down from, else ``x``."""
 
+  def param_source(self, x):
+    """The parameter or input ``x`` was cast down from, else ``None``."""
+
   def precast(self, x, dtype, make) -> None:
     """Records that ``make()`` gives ``x`` cast to ``dtype`` (made on
     demand by `cast`)."""
