@@ -277,3 +277,13 @@ def test_a_tied_head_of_a_table_cast_by_the_code_is_a_weight_matmul(fmt,
   plain = mpolicy.amp(lambda t: rows.astype(jnp.float32) @ t.T, policy)
   np.testing.assert_array_equal(tied(params, ids),
                                 plain(table).astype(jnp.bfloat16))
+
+
+def test_re_arrangements_of_a_parameter_cast_down_stay_weights():
+  def f(w, x):
+    w = w.astype(jnp.bfloat16).T.reshape(32, 64)[:, :48]
+    return jnp.tanh(x).astype(jnp.bfloat16) @ w  # An activation.
+
+  (dot,) = _dots(mpolicy.explain(mpolicy.amp(f, F8), _normal(0, (64, 32)),
+                                 _normal(1, (4, 32))))
+  assert dot.ran_in == "float8_e4m3fn", dot.decided_by

@@ -105,18 +105,17 @@ def _keep_param(env: base.RuleEnv, eqn, invals, out) -> None:
   transposes for the output head) has as its wider source the same
   re-arrangement of the parameter, made only if a rule asks for it (the
   float8 placement does: the head is a weight matmul)."""
-  if env.is_param(invals[0]):
+  x = invals[0]
+  if env.is_param(x):
     env.mark_param(out)
-    return
-  source = env.param_source(invals[0])
-  if source is not None and env.wider_source(out) is out:
+  elif env.from_param(x) and not env.has_wider(out):
 
     def rearranged():
-      (wide,) = base.bind(eqn, [source, *invals[1:]])
+      (wide,) = base.bind(eqn, [env.wider_source(x), *invals[1:]])
       env.mark_param(wide)
       return wide
 
-    env.mark_wider(out, rearranged)
+    env.mark_wider(out, rearranged, param=True)
 
 
 def table_entry(eqn, invals) -> Optional[str]:
