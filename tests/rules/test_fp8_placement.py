@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import warnings
 
 import haiku as hk
 import jax
@@ -287,3 +288,48 @@ def test_re_arrangements_of_a_parameter_cast_down_stay_weights():
   (dot,) = _dots(mpolicy.explain(mpolicy.amp(f, F8), _normal(0, (64, 32)),
                                  _normal(1, (4, 32))))
   assert dot.ran_in == "float8_e4m3fn", dot.decided_by
+
+
+def _block_run(fmt, rules):
+  x, w = _normal(0, (8, 64)), _normal(1, (64, 32))
+  return mpolicy.amp(lambda x, w: x @ w, f"p=f32,c={fmt},o=f32",
+                     rules=rules)(x, w)
+
+
+def test_recipe_options_mxfp8_does_not_use_are_warned_about():
+  rules = RULES.with_fp8(hadamard=True, stochastic_rounding=True)
+  with pytest.warns(UserWarning) as caught:
+    y = _block_run("mxfp8", rules)
+  (message,) = {str(w.message) for w in caught}
+  assert message.startswith(
+      "OpRules.with_fp8(hadamard=True, stochastic_rounding=True): mxfp8 does "
+      "not use hadamard (used by mxfp4 and nvfp4) or stochastic_rounding "
+      "(used by mxfp4 and nvfp4)")
+  np.testing.assert_array_equal(y, _block_run("mxfp8", RULES))  # No effect.
+
+
+@pytest.mark.parametrize("fmt, options, used_by", [
+    ("mxfp4", {"weight_tiles": True}, "nvfp4"),
+    ("f8", {"seed": 3}, "mxfp4 and nvfp4"),
+])
+def test_recipe_options_other_formats_do_not_use_are_warned_about(
+    fmt, options, used_by):
+  with pytest.warns(UserWarning, match=rf"does not use {next(iter(options))} "
+                    rf"\(used by {used_by}\)"):
+    _block_run(fmt, RULES.with_fp8(**options))
+
+
+@pytest.mark.parametrize("fmt, options", [
+    ("mxfp8", {}),  # The defaults, set by no one.
+    ("mxfp8", {"hadamard": False, "stochastic_rounding": False}),
+    ("mxfp8", {"hadamard": True}),  # Taken back below.
+    ("nvfp4", {"hadamard": True, "weight_tiles": True, "seed": 3}),
+    ("mxfp4", {"stochastic_rounding": True, "seed": 1}),
+])
+def test_recipe_options_the_format_uses_warn_about_nothing(fmt, options):
+  rules = RULES.with_fp8(**options)
+  if options == {"hadamard": True}:
+    rules = rules.with_fp8(hadamard=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _block_run(fmt, rules)
