@@ -309,3 +309,13 @@ def test_a_function_that_is_not_callable_is_refused_by_name(name):
   with pytest.raises(TypeError, match=rf"{name}: fn must be a callable \("
                      r".*amp-ed.*\), got 3 \(int\)"):
     getattr(mpolicy, name)(3)
+
+
+def test_a_jitted_amp_function_that_already_ran_is_explained_as_amped():
+  f = jax.jit(amp(lambda x, w: jnp.exp(x @ w), HALF))
+  f(X, W)  # jit's cache now holds the interpreted program.
+  report = explain(f, X, W)
+  assert report.note == ""
+  assert [(r.primitive, r.ran_in) for r in report.rows] == [
+      ("dot_general", "bfloat16"), ("exp", "float32")]
+  assert f(X, W).dtype == jnp.float32  # Later calls run as before.

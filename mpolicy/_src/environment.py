@@ -39,6 +39,7 @@ class Env:
     self._wider: dict[int, Any] = {}  # Down-cast value -> its source.
     self._keep: list[Any] = []  # Keeps ids in `_casts` alive.
     self._params: set[int] = set()  # Ids of parameters and inputs.
+    self._param_made: set[int] = set()  # Ids whose wider source is one.
     # Which of the jaxpr's invars are parameters or inputs (``None``: all,
     # as at the top of an `amp` call).
     self.arg_params: Optional[Sequence[bool]] = None
@@ -147,9 +148,19 @@ class Env:
       self._keep.append(wide)
     return wide
 
-  def mark_wider(self, x, make_source) -> None:
+  def from_param(self, x) -> bool:
+    """Whether ``x`` was cast down from a parameter or input here (its
+    wider source is one, or will be once made)."""
+    if not dtypes.is_traced(x) or id(x) not in self._wider:
+      return False
+    return id(x) in self._param_made or self.is_param(self._wider[id(x)])
+
+  def mark_wider(self, x, make_source, param: bool = False) -> None:
     """Records that ``x`` is ``make_source()`` cast down; the source is
-    made only if `wider_source` asks for it."""
+    made only if `wider_source` asks for it (``param``: it is a
+    parameter or input)."""
     if dtypes.is_traced(x):
       self._wider[id(x)] = make_source
       self._keep.append(x)
+      if param:
+        self._param_made.add(id(x))

@@ -49,8 +49,9 @@ class _Recorder(observe.Observer):
 
 
 def _recorded(fn, args, kwargs) -> tuple[list[Row], bool]:
-  """The rows of tracing ``fn``, and whether the interpreter ran."""
-  with observe.watching(_Recorder()) as recorder:
+  """The rows of tracing ``fn``, and whether the interpreter ran (a
+  `jax.jit` of an `amp`-ed function that already ran is traced again)."""
+  with observe.watching(_Recorder(), fresh=True) as recorder:
     _trace(fn, args, kwargs)
     return recorder.rows, observe.interpreter_ran()
 
@@ -183,12 +184,13 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
   """Traces ``fn(*args, **kwargs)`` and reports the dtype of every primitive.
 
   ``fn`` is an `amp`-ed function or the ``apply`` of `transform_amp` (or
-  a function that calls one, such as a `jax.jit` of it). Any other function
-  runs as written, and so the report describes it: every row ran in the
-  dtypes the code gives it, decided by ``"not amp-ed: runs as written"``,
-  and the report's `note` says so and leads its summary and its table (a
-  Flax linen ``model.apply`` or a plain ``hk.transform``'s apply are such
-  functions: the registry's class policies apply only under `amp`).
+  a function that calls one, such as a `jax.jit` of it, also once it ran:
+  `explain` traces it again). Any other function runs as written, and so
+  the report describes it: every row ran in the dtypes the code gives it,
+  decided by ``"not amp-ed: runs as written"``, and the report's `note`
+  says so and leads its summary and its table (a Flax linen
+  ``model.apply`` or a plain ``hk.transform``'s apply are such functions:
+  the registry's class policies apply only under `amp`).
   Nothing is computed: ``fn`` is only traced.
 
   >>> import jax.numpy as jnp

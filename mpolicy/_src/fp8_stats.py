@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import threading
 from typing import Any, Callable
 
@@ -29,11 +28,6 @@ from mpolicy._src.blocks import quantize as blocks_quantize
 ROLES = ("lhs", "rhs", "cotangent")
 """The quantized values of one op: its two operands, then its cotangent."""
 
-# Part of JAX's jit cache key, a number per run: a run of `fp8_stats` never
-# reuses a program compiled without it or by another run (whose callbacks
-# count for that run), nor the reverse.
-_COUNTING = jax.make_user_context(default_value=0)
-_runs = itertools.count(1)
 _LOCK = threading.Lock()
 
 
@@ -274,7 +268,9 @@ def fp8_stats(fn: Callable[..., Any], *args: Any,
     return sum(jnp.sum(l.astype(jnp.float32)) for l in leaves
                if dtypes.float_value(l))
 
-  with _COUNTING(next(_runs)), observe.watching(_Counter()) as counter:
+  # Fresh: a run never reuses a program compiled without it or by another
+  # run (whose callbacks count for that run), nor the reverse.
+  with observe.watching(_Counter(), fresh=True) as counter:
     jax.jit(jax.grad(total, argnums=wrt) if wrt else flat)(*arrays)
     jax.effects_barrier()
   rows = tuple(Fp8Row(op.scope, op.primitive, op.shapes, dict(counts))

@@ -35,9 +35,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 import contextlib
 import dataclasses
+import itertools
 import threading
 from typing import Any, Optional, TypeVar
 
+import jax
 import jax.numpy as jnp
 
 from mpolicy._src import regions
@@ -220,18 +222,30 @@ class _State(threading.local):
 
 _state = _State()
 
+# Part of JAX's jit cache key: a number per `watching(..., fresh=True)`
+# block, so that no program traced outside it (or in another) is reused.
+_BLOCK = jax.make_user_context(default_value=0)
+_blocks = itertools.count(1)
+
 
 _O = TypeVar("_O", bound=Observer)
 
 
 @contextlib.contextmanager
-def watching(observer: _O) -> Iterator[_O]:
-  """Tells ``observer`` about every equation the interpreter runs inside."""
+def watching(observer: _O, *, fresh: bool = False) -> Iterator[_O]:
+  """Tells ``observer`` about every equation the interpreter runs inside.
+
+  With ``fresh``, jit's caches miss inside the block and it misses on what
+  the block traced afterwards: a `jax.jit` function that ran before is
+  traced again (and interpreted, so the observer sees it), and its later
+  calls run a program compiled without the observer.
+  """
   prev = (_state.observers, _state.runs, _state.sites)
   _state.observers, _state.runs = prev[0] + (observer,), 0
   _state.sites = {} if prev[2] is None else prev[2]
   try:
-    yield observer
+    with _BLOCK(next(_blocks)) if fresh else contextlib.nullcontext():
+      yield observer
   finally:
     _state.observers, _state.runs, _state.sites = prev
 

@@ -386,7 +386,10 @@ class OpRules:
         keeps this table's.
       **recipe: the block formats' NVFP4-recipe options of `Fp8Options`
         (``stochastic_rounding``, ``hadamard``, ``weight_tiles``: booleans,
-        all on by default; ``seed``: an int, 0 by default).
+        all on by default; ``seed``: an int, 0 by default). One set here
+        (to ``True``, or a seed) that the format a matmul runs in does
+        not use (mxfp8 uses none; mxfp4 all but ``weight_tiles``) warns
+        when that matmul is traced.
 
     Returns:
       A new `OpRules`; this one is unchanged.
@@ -404,6 +407,9 @@ class OpRules:
                       f"; it takes matmuls, min_size, scaling and "
                       f"{', '.join(fp8_placement.RECIPE_OPTIONS)}")
     changes.update(recipe)
+    changes["given"] = frozenset(
+        (self._fp8.given - set(recipe))
+        | {k for k, v in recipe.items() if v is not False})
     return dataclasses.replace(
         self, _fp8=dataclasses.replace(self._fp8, **changes))
 

@@ -125,10 +125,6 @@ class _Tagger(observe.Observer):
     return bool(self._open) and self._open[-1][0] in self._in_float32
 
 
-_KEY = jax.make_user_context(default_value=None)  # Part of jit's cache key.
-_blocks = itertools.count()
-
-
 @contextlib.contextmanager
 def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
   """Names every equation the interpreter traces in the block.
@@ -143,7 +139,7 @@ def tagging(in_float32=frozenset()) -> Iterator[list[Site]]:
   found: list[Site] = []
   tagger = _Tagger(found, in_float32 if in_float32 is EVERY
                    else frozenset(in_float32))
-  with observe.watching(tagger), _KEY(next(_blocks)):
+  with observe.watching(tagger, fresh=True):
     yield found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mpolicy
@@ -238,3 +239,46 @@ def test_a_flax_root_island_keeps_its_children_in_the_policy():
   from mpolicy._src.debugging import flops  # pylint: disable=g-import-not-at-top
   own = flops.by_module(run.checker.flops, run.sites)
   assert own.get("Model", 0) == 0 and own["Dense_0"] and own["Dense_1"]
+
+
+def _overflows_at_scale():
+  """A float16 model whose scaled gradients overflow at 2**15 and not
+  below 2**13: the cotangent reaching the layer is ten times the scale
+  (327680 at 2**15, 81920 at 2**13, 40960 at 2**12)."""
+
+  def loss(w, x):
+    with jax.named_scope("layer"):
+      h = x @ w
+    with jax.named_scope("head"):
+      return jnp.sum(h) * 10.0
+
+  w = jnp.asarray(np.random.RandomState(0).normal(size=(16, 16)) * 0.3,
+                  jnp.float32)
+  x = jnp.asarray(np.random.RandomState(1).normal(size=(64, 16)),
+                  jnp.float32)
+  return mpolicy.amp(loss, HALF16), w, x
+
+
+def test_a_dynamic_loss_scale_that_alone_overflows_is_backed_off():
+  f, w, x = _overflows_at_scale()
+  s = mpolicy.suggest_policy(f, w, x, policy=HALF16,
+                             loss_scale=mpolicy.DynamicLossScale(2.0 ** 15))
+  assert not s.before.finite
+  assert s.float32_paths == () and s.ok and s.after.finite
+  assert s.backed_off == (2.0 ** 15, 2.0 ** 12)
+  assert ("The loss scale 2**15 alone overflows: at 2**12, which the dynamic "
+          "loss scale backs off to by itself, no module needs float32."
+          ) in str(s).splitlines()
+  # The float32 shadow, the scale as given, the floor (2**0), then halving
+  # the range of the 15 scales below 2**15: 2**7, 2**11, 2**13, 2**12.
+  assert s.evals == 7
+
+
+def test_a_loss_scale_that_cannot_back_off_far_enough_gets_islands():
+  f, w, x = _overflows_at_scale()
+  for scale in (mpolicy.StaticLossScale(2.0 ** 15),
+                mpolicy.DynamicLossScale(2.0 ** 15, min_loss_scale=2.0 ** 14)):
+    s = mpolicy.suggest_policy(f, w, x, policy=HALF16, loss_scale=scale,
+                               max_evals=4)
+    assert s.backed_off is None and s.float32_paths
+    assert "alone overflows" not in str(s)

@@ -147,3 +147,41 @@ def test_convolutions_fall_back_to_bf16_under_block_formats():
   row = [r for r in report.rows if r.primitive == "conv_general_dilated"][0]
   assert row.ran_in != "nvfp4"
   assert "not nvfp4: block formats cover matmuls" in str(report)
+
+
+def _heads():
+  """``x [B, H, D]`` and ``w [H, D, K]`` whose heads differ by 2**12 in
+  size (a block spanning heads loses the small ones), D = 8: a part of a
+  block."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(4))
+  scale = jnp.array([2.0**12, 1.0, 1.0, 1.0])
+  x = jax.random.normal(kx, (4, 4, 8)) * scale[:, None]
+  w = jax.random.normal(kw, (4, 8, 16)) / scale[:, None, None]
+  return x, w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_several_contracting_dimensions_are_blocked_along_one(fmt):
+  x, w = _heads()
+  y = mpolicy.amp(lambda x, w: jnp.einsum("bhd,hdk->bk", x, w),
+                  f"p=f32,c={fmt},o=bf16")(x, w)
+  # Blocks along d in both operands (per head, zero-filled to whole
+  # blocks); both operands entered amp (parameters: nvfp4 tiles them, x's
+  # tiles over b and d).
+  xn, wn = np.asarray(x), np.asarray(w)
+  fx = fq(xn.transpose(1, 0, 2), fmt, 2, True).transpose(1, 0, 2)
+  want = np.einsum("bhd,hdk->bk", fx, fq(wn, fmt, 1, True))
+  _assert_bf16_close(y, want)
+  exact = np.einsum("bhd,hdk->bk", xn.astype(np.float64), wn)
+  error = np.linalg.norm(np.asarray(y, np.float64) - exact) / np.linalg.norm(
+      exact)
+  assert error < {"mxfp8": 0.05, "mxfp4": 0.25, "nvfp4": 0.2}[fmt], error
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_order_of_the_contracting_dimensions_does_not_matter(fmt):
+  x, w = _heads()
+  dot = lambda dims: mpolicy.amp(
+      lambda x, w: jax.lax.dot_general(x, w, (dims, ((), ()))),
+      f"p=f32,c={fmt},o=f32")(x, w)
+  np.testing.assert_array_equal(dot(((1, 2), (0, 1))), dot(((2, 1), (1, 0))))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import warnings
 
 import haiku as hk
 import jax
@@ -248,3 +249,87 @@ def test_gpt_attention_in_bfloat16_linears_in_float8():
              for r in attention)
   assert {r.ran_in for r in rows if r.module_class == "hk.Linear"} == {
       "float8_e4m3fn"}
+
+
+@pytest.mark.parametrize("fmt, ran_in", [("f8", "float8_e4m3fn"),
+                                         ("mxfp8", "mxfp8"),
+                                         ("nvfp4", "nvfp4")])
+def test_a_tied_head_of_a_table_cast_by_the_code_is_a_weight_matmul(fmt,
+                                                                   ran_in):
+  nn = pytest.importorskip("flax.linen")
+
+  class Tied(nn.Module):
+
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(64, 32, dtype=jnp.bfloat16)  # Casts the table.
+      return embed.attend(embed(ids))  # x @ table.T
+
+  ids = jnp.arange(8).reshape(2, 4)
+  params = Tied().init(jax.random.PRNGKey(0), ids)
+  policy = f"p=f32,c={fmt},o=f32"
+  tied = mpolicy.amp(Tied().apply, policy)
+  (head,) = _dots(mpolicy.explain(tied, params, ids))
+  assert head.ran_in == ran_in and ACTIVATIONS not in head.decided_by
+  # The numbers of the head on the float32 table itself (its result in
+  # float32, rounded to the tied head's bfloat16).
+  table = params["params"]["Embed_0"]["embedding"]
+  rows = jnp.take(table.astype(jnp.bfloat16), ids, axis=0)
+  plain = mpolicy.amp(lambda t: rows.astype(jnp.float32) @ t.T, policy)
+  np.testing.assert_array_equal(tied(params, ids),
+                                plain(table).astype(jnp.bfloat16))
+
+
+def test_re_arrangements_of_a_parameter_cast_down_stay_weights():
+  def f(w, x):
+    w = w.astype(jnp.bfloat16).T.reshape(32, 64)[:, :48]
+    return jnp.tanh(x).astype(jnp.bfloat16) @ w  # An activation.
+
+  (dot,) = _dots(mpolicy.explain(mpolicy.amp(f, F8), _normal(0, (64, 32)),
+                                 _normal(1, (4, 32))))
+  assert dot.ran_in == "float8_e4m3fn", dot.decided_by
+
+
+def _block_run(fmt, rules):
+  x, w = _normal(0, (8, 64)), _normal(1, (64, 32))
+  return mpolicy.amp(lambda x, w: x @ w, f"p=f32,c={fmt},o=f32",
+                     rules=rules)(x, w)
+
+
+def test_recipe_options_mxfp8_does_not_use_are_warned_about():
+  rules = RULES.with_fp8(hadamard=True, stochastic_rounding=True)
+  with pytest.warns(UserWarning) as caught:
+    y = _block_run("mxfp8", rules)
+  (message,) = {str(w.message) for w in caught}
+  assert message.startswith(
+      "OpRules.with_fp8(hadamard=True, stochastic_rounding=True): mxfp8 does "
+      "not use hadamard (used by mxfp4 and nvfp4) or stochastic_rounding "
+      "(used by mxfp4 and nvfp4)")
+  np.testing.assert_array_equal(y, _block_run("mxfp8", RULES))  # No effect.
+
+
+@pytest.mark.parametrize("fmt, options, used_by", [
+    ("mxfp4", {"weight_tiles": True}, "nvfp4"),
+    ("f8", {"seed": 3}, "mxfp4 and nvfp4"),
+])
+def test_recipe_options_other_formats_do_not_use_are_warned_about(
+    fmt, options, used_by):
+  with pytest.warns(UserWarning, match=rf"does not use {next(iter(options))} "
+                    rf"\(used by {used_by}\)"):
+    _block_run(fmt, RULES.with_fp8(**options))
+
+
+@pytest.mark.parametrize("fmt, options", [
+    ("mxfp8", {}),  # The defaults, set by no one.
+    ("mxfp8", {"hadamard": False, "stochastic_rounding": False}),
+    ("mxfp8", {"hadamard": True}),  # Taken back below.
+    ("nvfp4", {"hadamard": True, "weight_tiles": True, "seed": 3}),
+    ("mxfp4", {"stochastic_rounding": True, "seed": 1}),
+])
+def test_recipe_options_the_format_uses_warn_about_nothing(fmt, options):
+  rules = RULES.with_fp8(**options)
+  if options == {"hadamard": True}:
+    rules = rules.with_fp8(hadamard=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _block_run(fmt, rules)

@@ -18,6 +18,11 @@ run once). The search:
 3. With evaluations left, each island the second step added is dropped in
    turn, least useful first, where the rest stays within the tolerance.
 
+Before them, where a dynamic loss scale's gradients overflow with the
+policy as given, the scales it backs off to by itself are tried (the
+smallest first, then halving the range): where one is finite, the scale
+alone overflowed, and the search goes on at the largest finite one.
+
 An island is a module's own ops: its child modules keep the policy unless
 they are islands too (the pattern ``"path"`` gets the island policy, and
 the full name of each child module the policy), so a float32 attention
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import dtypes
+from mpolicy._src import loss_scale as loss_scale_lib
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import regions
 from mpolicy._src import registry
@@ -183,6 +189,9 @@ class PolicySuggestion:
     roots: the module classes whose default is the policy (``hk.Module``,
       ``nn.Module``).
     kept: the child modules of islands that keep the policy.
+    backed_off: ``(given, reached)`` where the dynamic loss scale given
+      overflowed alone: the largest scale it backs off to at which the
+      policy is finite, where `after` was measured; else ``None``.
   """
   policy: policy_lib.Policy
   island_policy: policy_lib.Policy
@@ -195,6 +204,7 @@ class PolicySuggestion:
   max_evals: int
   roots: tuple[type, ...] = ()
   kept: tuple[str, ...] = ()
+  backed_off: Optional[tuple[float, float]] = None
 
   @property
   def ok(self) -> bool:
@@ -233,6 +243,14 @@ class PolicySuggestion:
                  "everywhere.")
       return "\n".join(out)
     n = len(self.float32_paths)
+    if self.backed_off is not None:
+      given, reached = (_scale_text(v) for v in self.backed_off)
+      island = np.dtype(self.island_policy.compute_dtype).name
+      out.append(
+          f"The loss scale {given} alone overflows: at {reached}, which the "
+          "dynamic loss scale backs off to by itself, "
+          + (f"no module needs {island}." if not n and self.ok else
+             "the search went on (measured there)."))
     out.append(f"after ({n} island{'' if n == 1 else 's'}): "
                f"{self.after.text()}")
     if not self.ok:
@@ -244,6 +262,30 @@ class PolicySuggestion:
       out += [f"  {p.ljust(width)}  {why}"
               for p, why in zip(self.float32_paths, self.reasons)]
     return "\n".join(out)
+
+
+def _scale_text(scale: float) -> str:
+  """``"2**15"`` for a power of two, else the number."""
+  exponent = np.log2(scale) if scale > 0 else 0.5
+  return f"2**{int(exponent)}" if exponent == int(exponent) else f"{scale:g}"
+
+
+def _backed_off_scales(loss_scale) -> list[float]:
+  """The scales a `DynamicLossScale` backs off to, one overflow after
+  another, down to its floor (or 1, below which it would shrink the
+  gradients); empty for any other loss scale."""
+  if not isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
+    return []
+  scale = np.asarray(loss_scale.loss_scale)
+  if scale.size != 1:
+    return []
+  scale, factor = float(scale), float(loss_scale.factor)
+  floor = max(float(loss_scale.min_loss_scale), min(1.0, scale))
+  out: list[float] = []
+  while scale > floor and len(out) < 128:
+    scale = max(scale / factor, floor)
+    out.append(scale)
+  return out
 
 
 # An island's cost is the share of matmul FLOPs its own ops make, plus
@@ -312,6 +354,32 @@ class _Search:
         islands, finite, value.rel_error if value else inf,
         grads.rel_error if grads else (0.0 if finite else inf),
         flops.half_fraction(run.checker.flops), first), run
+
+  def back_off(self) -> Optional[tuple[float, Measured, Any]]:
+    """Where the dynamic loss scale overflows with no island: the largest
+    scale it backs off to at which the policy is finite, measured with no
+    island (``(scale, measured, run)``; the search then uses it), or
+    ``None`` where even its floor is not finite."""
+    scales = _backed_off_scales(self.loss_scale)
+    given = self.loss_scale
+    found = None
+    lo, hi = 0, len(scales) - 1  # The answer is in scales[lo:hi + 1].
+    while scales and self.left > 0 and (found is None or lo < found[0]):
+      i = hi if found is None else (lo + found[0]) // 2
+      self.loss_scale = loss_scale_lib.StaticLossScale(scales[i])
+      measured, run = self.measure(())
+      if measured.finite:
+        found = (i, measured, run)
+      elif found is None:
+        break  # Not the scale alone: its floor overflows too.
+      else:
+        lo = i + 1
+    if found is None:
+      self.loss_scale = given
+      return None
+    i, measured, run = found
+    self.loss_scale = loss_scale_lib.StaticLossScale(scales[i])
+    return scales[i], measured, run
 
   def ranked(self, run, islands) -> list[tuple[str, str]]:
     """Modules not yet islands, by the error they add per share of the
@@ -406,7 +474,10 @@ def suggest_policy(fn: Callable[..., Any], *args: Any, policy: Any = None,
       ``jnp.bfloat16`` may be enough).
     loss_scale: ``None``, a number or an mpolicy loss scale: gradients are
       measured as a training step computes them, of the loss times its
-      scale, divided by it after.
+      scale, divided by it after. A `DynamicLossScale` that alone
+      overflows is backed off as training would back it off, to the
+      largest scale at which the policy is finite, and the search goes on
+      there (`PolicySuggestion.backed_off`).
 
   Returns:
     A `PolicySuggestion`: ``float32_paths``, ``apply()``, ``str()`` and
@@ -424,6 +495,12 @@ def suggest_policy(fn: Callable[..., Any], *args: Any, policy: Any = None,
   islands: list[str] = []
   reasons: dict[str, str] = {}
   now, best = before, before
+  backed_off = None
+  if not before.finite:
+    found = search.back_off()
+    if found is not None:
+      scale, now, run = found
+      backed_off = (float(np.asarray(loss_scale.loss_scale)), scale)
   # 1. The first non-finite value's module, while there is one.
   while not now.finite and search.left > 0:
     first = now.first_nonfinite
@@ -462,4 +539,4 @@ def suggest_policy(fn: Callable[..., Any], *args: Any, policy: Any = None,
   return PolicySuggestion(policy, island, best.islands,
                           tuple(reasons[p] for p in best.islands), before,
                           best, float(tolerance), search.evals, max_evals,
-                          search.roots, search.kept(best.islands))
+                          search.roots, search.kept(best.islands), backed_off)

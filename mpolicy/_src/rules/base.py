@@ -51,8 +51,15 @@ class RuleEnv(Protocol):
     """Records that ``make()`` gives ``x`` cast to ``dtype`` (made on
     demand by `cast`)."""
 
-  def mark_wider(self, x, make_source) -> None:
-    """Records that ``x`` is ``make_source()`` cast down (made on demand)."""
+  def mark_wider(self, x, make_source, param: bool = False) -> None:
+    """Records that ``x`` is ``make_source()`` cast down (made on demand;
+    ``param``: a parameter or input)."""
+
+  def has_wider(self, x) -> bool:
+    """Whether ``x`` was cast down from a wider value here."""
+
+  def from_param(self, x) -> bool:
+    """Whether ``x`` was cast down from a parameter or input here."""
 
   def is_param(self, x) -> bool:
     """Whether ``x`` is a parameter or input (or a re-arrangement of one)."""

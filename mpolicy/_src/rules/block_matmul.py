@@ -160,6 +160,35 @@ blocked_mm.__doc__ = ("``[B,] M, K`` x ``[B,] K, N`` in a block format "
 blocked_mm.defvjp(_fwd, _bwd)
 
 
+def along_one_dimension(lhs, rhs, dimension_numbers, size: int):
+  """The operands and dimension numbers of a matmul whose blocks of
+  ``size`` run along one contracting dimension: the left operand's
+  minor-most (highest axis) one, and its partner in the right operand.
+
+  It is listed last, so merging the contracting dimensions row-major puts
+  it innermost, and with several contracting dimensions it is padded with
+  zeros to whole blocks (in both operands): a block never spans two
+  indices of another contracting dimension (``"bhd,hdk->bk"`` is blocked
+  along ``d``, per head).
+  """
+  (lc, rc), batch = dimension_numbers
+  if len(lc) < 2:
+    return lhs, rhs, dimension_numbers
+  order = sorted(range(len(lc)), key=lambda i: lc[i])
+  lc, rc = tuple(lc[i] for i in order), tuple(rc[i] for i in order)
+  pad = -lhs.shape[lc[-1]] % size
+  if pad:
+    lhs = _pad_axis(lhs, lc[-1], pad)
+    rhs = _pad_axis(rhs, rc[-1], pad)
+  return lhs, rhs, ((lc, rc), batch)
+
+
+def _pad_axis(x, axis: int, pad: int):
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
 def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
                lhs_param: bool, rhs_param: bool, options=None,
                label: Optional[str] = None) -> BlockConfig:

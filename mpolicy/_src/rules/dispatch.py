@@ -82,8 +82,8 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
   except FloatingPointError as e:  # `jax_debug_infs` / `jax_debug_nans`.
     raise non_finite_error(op, e) from None
 
-  if facts.keeps_param and invals and env.is_param(invals[0]) and len(outs) == 1:
-    env.mark_param(outs[0])
+  if facts.keeps_param and invals and len(outs) == 1:
+    _keep_param(env, eqn, invals, outs[0])
   if (facts.spreads and len(outs) == 1 and invals
       and np.size(invals[0]) < np.size(outs[0])):
     env.mark_spread(outs[0])
@@ -98,6 +98,25 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
                 else env.inserted - casts_before)
     observe.decided(_decision(op, invals, outs, names, inserted))
   return outs
+
+
+def _keep_param(env: base.RuleEnv, eqn, invals, out) -> None:
+  """A re-arrangement of a parameter is a parameter. One of a parameter
+  cast down (a tied embedding table that the code casts to bfloat16 and
+  transposes for the output head) has as its wider source the same
+  re-arrangement of the parameter, made only if a rule asks for it (the
+  float8 placement does: the head is a weight matmul)."""
+  x = invals[0]
+  if env.is_param(x):
+    env.mark_param(out)
+  elif env.from_param(x) and not env.has_wider(out):
+
+    def rearranged():
+      (wide,) = base.bind(eqn, [env.wider_source(x), *invals[1:]])
+      env.mark_param(wide)
+      return wide
+
+    env.mark_wider(out, rearranged, param=True)
 
 
 def table_entry(eqn, invals) -> Optional[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -30,6 +31,12 @@ from mpolicy._src.rules import facts
 MATMULS = ("weights", "all")
 SCALINGS = ("per_row", "per_tensor")
 RECIPE_OPTIONS = ("stochastic_rounding", "hadamard", "weight_tiles", "seed")
+USED_BY = {"stochastic_rounding": ("mxfp4", "nvfp4"),
+           "hadamard": ("mxfp4", "nvfp4"),
+           "weight_tiles": ("nvfp4",),
+           "seed": ("mxfp4", "nvfp4")}
+"""The formats that use each recipe option; under any other (mxfp8, or
+``c=f8``'s float8) one that `OpRules.with_fp8` sets is warned about."""
 UNSET = object()
 """`OpRules.with_fp8`'s default for ``min_size`` (``None`` means auto)."""
 
@@ -89,6 +96,10 @@ class Fp8Options:
     weight_tiles: under ``c=nvfp4``, weights are quantized in 16 x 16 tiles.
     seed: the recipe's randomness: each block matmul's key is this seed
       folded with its place in the program and the step count.
+    given: the recipe options `OpRules.with_fp8` set (a boolean to
+      ``True``, or the seed): a float8 or block matmul in a format that
+      does not use one of them warns (`USED_BY`). Not compared: it
+      changes no number.
   """
   matmuls: str = "weights"
   min_size: Optional[int] = None
@@ -97,6 +108,8 @@ class Fp8Options:
   hadamard: bool = True
   weight_tiles: bool = True
   seed: int = 0
+  given: frozenset = dataclasses.field(default=frozenset(), repr=False,
+                                       compare=False)
 
   def __post_init__(self):
     if self.matmuls not in MATMULS:
@@ -219,6 +232,7 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
     return None
   if declines(op, op.rules.fp8, dims, op.args):
     return None
+  warn_unused(op.rules.fp8, dtype)
   op.rule, op.ran_in = facts.LOWER, dtype
   op.why = f"lower in {dtype} ({reason}); policy from {op.decided_by}"
   lhs, rhs = (op.env.wider_source(a) for a in op.args)
@@ -226,6 +240,22 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
   label = observe.quantization_site(op.scope, op.prim.name,
                                    shape_of(lhs, rhs))
   return lhs, rhs, out_dtype, label
+
+
+def warn_unused(options: Fp8Options, dtype: str) -> None:
+  """Warns if ``options`` set recipe options that ``dtype`` (a block
+  format's name or a float8 dtype's) does not use: never in silence."""
+  unused = [o for o in sorted(options.given) if dtype not in USED_BY[o]]
+  if not unused:
+    return
+  called = ", ".join(f"{o}={getattr(options, o)!r}" for o in unused)
+  names = " or ".join(f"{o} (used by {' and '.join(USED_BY[o])})"
+                      for o in unused)
+  them = "it" if len(unused) == 1 else "them"
+  warnings.warn(
+      f"OpRules.with_fp8({called}): {dtype} does not use {names}; its "
+      f"matmuls run without {them}. Drop {them} from with_fp8, or compute "
+      f"in a format that uses {them}.", UserWarning, stacklevel=2)
 
 
 def shape_of(*operands: Any) -> str:

@@ -431,10 +431,12 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
                       label: Optional[str] = None):
   """`jax.lax.dot_general` in block format ``fmt`` (see `block_matmul`).
 
-  Contracting dimensions are merged (row-major) into one, along which the
-  blocks run; the result has `dot_general`'s shape, in ``out_dtype``
-  (bfloat16 if ``None``). ``lhs_param``/``rhs_param``: the operand is a
-  weight (nvfp4 quantizes it in 16 x 16 tiles). ``options``: an
+  The blocks run along the left operand's minor-most contracting dimension
+  and its partner in the right operand, never across another contracting
+  dimension (see `block_matmul.along_one_dimension`); the result has
+  `dot_general`'s shape, in ``out_dtype`` (bfloat16 if ``None``).
+  ``lhs_param``/``rhs_param``: the operand is a weight (nvfp4 quantizes
+  it in 16 x 16 tiles). ``options``: an
   `Fp8Options` (the NVFP4 recipe's parts; ``None``: all on); ``key``: the
   recipe's key (``None``: ``PRNGKey(0)``). ``label``: what its
   quantizations are told to observers by (`observe.quantization_site`).
@@ -449,8 +451,9 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
   fmt = block_formats.get_format(fmt)
   out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
                else np.dtype(out_dtype))
-  a, b, _, out_shape = canonical_form(lhs, rhs, dimension_numbers,
-                                      lhs_mk=True, rhs_kn=True)
+  a, b, blocked = block_matmul.along_one_dimension(lhs, rhs, dimension_numbers,
+                                                   fmt.block_size)
+  a, b, _, out_shape = canonical_form(a, b, blocked, lhs_mk=True, rhs_kn=True)
   _, (lb, _) = dimension_numbers
   config = block_matmul.config_for(fmt, lhs, rhs, bool(lb), out_dtype,
                                    lhs_param, rhs_param, options, label)

@@ -168,10 +168,13 @@ def _in_wider_source(op: base.Op) -> Optional[list]:
       # The same values, cast before they are spread: the forward pass
       # converts the small array only (see `half_storage.cast_after`).
       out = half_storage.cast_after(fn, wide, dtypes.dtype_of(x))
-      op.env.mark_wider(out, lambda: _spread(op.env, fn, wide))
+      op.env.mark_wider(out, lambda: _spread(op.env, fn, wide),
+                        param=op.env.is_param(wide))
       return [out]
-    return [op.env.cast(o, dtypes.dtype_of(x))
-            for o in base.bind(op.eqn, [wide, *op.args[1:]])]
+    outs = base.bind(op.eqn, [wide, *op.args[1:]])
+    if op.env.is_param(wide):
+      op.env.mark_param(outs[0])  # Rows of a parameter table.
+    return [op.env.cast(o, dtypes.dtype_of(x)) for o in outs]
   compute = op.half_compute()
   if (fn is not None and compute is not None and op.env.is_param(x)
       and dtypes.float_value(x) and not dtypes.is_double(dtypes.dtype_of(x))
