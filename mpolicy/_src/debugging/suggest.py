@@ -276,10 +276,10 @@ def _backed_off_scales(loss_scale) -> list[float]:
   gradients); empty for any other loss scale."""
   if not isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
     return []
-  scale = np.asarray(loss_scale.loss_scale)
-  if scale.size != 1:
+  given = np.asarray(loss_scale.loss_scale)
+  if given.size != 1:
     return []
-  scale, factor = float(scale), float(loss_scale.factor)
+  scale, factor = float(given), float(loss_scale.factor)
   floor = max(float(loss_scale.min_loss_scale), min(1.0, scale))
   out: list[float] = []
   while scale > floor and len(out) < 128:
@@ -497,9 +497,9 @@ def suggest_policy(fn: Callable[..., Any], *args: Any, policy: Any = None,
   now, best = before, before
   backed_off = None
   if not before.finite:
-    found = search.back_off()
-    if found is not None:
-      scale, now, run = found
+    backed = search.back_off()
+    if backed is not None:
+      scale, now, run = backed
       backed_off = (float(np.asarray(loss_scale.loss_scale)), scale)
   # 1. The first non-finite value's module, while there is one.
   while not now.finite and search.left > 0:
