@@ -4,7 +4,11 @@ simulated devices (a subprocess; the test process has one device)."""
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -144,3 +148,59 @@ def test_fsdp_gradients_reduce_scatter_and_psum_in_float32(facts):
   assert facts["fsdp/wide/sums"] == [("all_reduce", "f32"),
                                      ("reduce_scatter", "f32")]
   assert facts["fsdp/wide/dtypes"] == ["bfloat16", "bfloat16"]
+
+
+def _results(fn, *args, platform="cuda"):
+  """Element types of each dot_general / convolution result in ``fn``'s
+  lowering for ``platform``."""
+  text = jax.jit(fn).trace(*args).lower(
+      lowering_platforms=(platform,)).as_text()
+  return [re.findall(r"x(bf16|f32|f16)>", line.split("->")[-1])[0]
+          for line in text.splitlines()
+          if "stablehlo.dot_general" in line or "stablehlo.convolution" in line]
+
+
+BF16 = "p=f32,c=bf16,o=bf16"
+WIDE = mpolicy.DEFAULT_RULES.with_collectives(sum_dtype=jnp.float32)
+
+
+def _loss(layer, rules):
+  f = mpolicy.amp(layer, BF16, rules=rules)
+  return jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2),
+                  argnums=(0, 1))
+
+
+def test_under_jit_half_matmuls_give_the_partitioner_sum_dtype_results():
+  # XLA's partitioner sums a matmul whose contracting dimension is sharded
+  # on its result: on GPU and TPU the forward and backward matmuls ask for
+  # float32 results under the option (bf16 without); CPU's always are.
+  # (bfloat16 operands: a float32 one's gradient is float32 anyway.)
+  x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+  matmul = lambda a, b: a @ b
+  assert _results(_loss(matmul, None), x, w) == ["bf16"] * 3
+  assert _results(_loss(matmul, WIDE), x, w) == ["f32"] * 3
+  assert _results(_loss(matmul, WIDE), x, w, platform="cpu") == ["f32"] * 3
+  got = jax.jit(_loss(matmul, WIDE))(x, w)
+  want = jax.jit(_loss(matmul, None))(x, w)
+  assert [g.dtype for g in got] == [jnp.bfloat16, jnp.bfloat16]
+  np.testing.assert_array_equal(got[0], want[0])  # CPU: the same program.
+  rows = mpolicy.explain(mpolicy.amp(matmul, BF16, rules=WIDE), x, w).rows
+  assert "sums XLA's partitioner places on it run in it" in rows[-1].decided_by
+
+
+def test_under_jit_half_convolutions_give_float32_results_too():
+  conv = lambda a, k: jax.lax.conv_general_dilated(a, k, (1, 1), "SAME")
+  x, k = (jnp.ones((2, 3, 8, 8), jnp.bfloat16),
+          jnp.ones((4, 3, 3, 3), jnp.bfloat16))
+  assert set(_results(_loss(conv, None), x, k)) == {"bf16"}
+  assert set(_results(_loss(conv, WIDE), x, k)) == {"f32"}
+
+
+def test_inside_shard_map_matmuls_keep_half_results():
+  # There the sums are the program's own collectives (the rule above).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+  body = jax.shard_map(lambda a, b: jax.lax.psum(a @ b, "d"), mesh=mesh,
+                       in_specs=(P(None, "d"), P("d")), out_specs=P())
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
+  f = mpolicy.amp(body, BF16, rules=WIDE)
+  assert _results(f, x, w) == ["bf16"]

@@ -9,6 +9,13 @@ operand's dtype, so what the program holds keeps its dtype and only the
 sum is wider. Nothing changes where no table asks, for operands already as
 wide, and as written (``full_precision()``, a float32 policy).
 
+Under `jax.jit` without ``shard_map``, XLA's partitioner places the sums of
+a matmul whose contracting dimension is sharded when it compiles, on the
+matmul's result. There ``sum_dtype`` makes each half matmul and
+convolution ask for its result in ``sum_dtype`` and cast it after (on CPU
+they already do; on GPUs and TPUs they would ask for the half result):
+`partitioned_sum_dtype`.
+
 Two collectives sum in their transpose, which JAX's AD writes when it
 differentiates the interpreted program: an ``all_gather`` (FSDP's gather of
 a weight shard; its transpose is a reduce-scatter of the gradient) and a
@@ -134,3 +141,19 @@ def check_sum_dtype(sum_dtype) -> Optional[np.dtype]:
         "jnp.float32) or None (each sum in its operands' dtype), got "
         f"{sum_dtype!r}.")
   return dtype
+
+
+def partitioned_sum_dtype(op: base.Op, out_dtype) -> Optional[np.dtype]:
+  """The dtype a half matmul's or convolution's result should have on GPUs
+  and TPUs for the sums XLA's partitioner places on it (a contracting
+  dimension sharded under `jax.jit`) to run in the table's ``sum_dtype``;
+  ``None`` where none is asked, the result is as wide, or the program runs
+  inside `shard_map` / `pmap` (whose sums are its own collectives). Notes
+  it on ``op`` for `explain`."""
+  wide = op.rules.collective_sum_dtype
+  if (wide is None or wide.itemsize <= np.dtype(out_dtype).itemsize
+      or jax_compat.bound_axis_names()):
+    return None
+  op.why += (f"; result in {wide.name} on GPU and TPU, so sums XLA's "
+             "partitioner places on it run in it (OpRules.with_collectives)")
+  return wide

@@ -36,6 +36,7 @@ import numpy as np
 from mpolicy._src import jax_compat
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
+from mpolicy._src.rules import collectives
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_scaling
@@ -87,14 +88,17 @@ def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
                              lhs_dilation=None, rhs_dilation=None,
                              dimension_numbers=None, feature_group_count=1,
                              batch_group_count=1, precision=None,
-                             out_dtype: Any, out_sharding: Any = None):
+                             out_dtype: Any, out_sharding: Any = None,
+                             sum_dtype: Any = None):
   """``conv_general_dilated`` of half ``lhs``, ``rhs``, f32 accumulation, cast.
 
   Takes `jax.lax.conv_general_dilated`'s arguments (string paddings, lists,
   dimension-number strings too: they are put in the hashable canonical form
   a jaxpr equation holds, which the transpose and batching rules need).
-  ``out_sharding`` is the convolution's (explicit sharding); the param is
-  bound only when given.
+  ``out_sharding`` is the convolution's (explicit sharding); ``sum_dtype``
+  asks GPUs and TPUs for the result in that dtype (see
+  `matmul.amp_dot_general`; cuDNN then runs the whole convolution in it);
+  each param is bound only when given.
 
   >>> import jax.numpy as jnp
   >>> x, k = jnp.ones((1, 2, 4, 4), jnp.bfloat16), jnp.ones((3, 2, 3, 3), jnp.bfloat16)
@@ -114,32 +118,36 @@ def amp_conv_general_dilated(lhs, rhs, *, window_strides, padding,
   if not canonical:
     params = jax_compat.canonical_conv_params(np.shape(lhs), np.shape(rhs),
                                               **params)
-  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+  extra = {k: v for k, v in (("out_sharding", out_sharding),
+                             ("sum_dtype", sum_dtype)) if v is not None}
   return amp_primitive.bind(amp_conv_general_dilated_p, lhs, rhs, **params,
                             out_dtype=np.dtype(out_dtype), **extra)
 
 
-def _conv_composite(lhs, rhs, *, out_dtype, out_sharding=None, **params):
+def _conv_composite(lhs, rhs, *, out_dtype, out_sharding=None,
+                    sum_dtype=None, **params):
+  del sum_dtype  # The result is the float32 accumulator already.
   out = jax_compat.bind_conv(lhs, rhs, params, jnp.float32, out_sharding)
   return out.astype(out_dtype)
 
 
-def _conv_accelerator(lhs, rhs, *, out_dtype, out_sharding=None, **params):
-  """GPU/TPU: the half convolution, half result, then cast. Never asked for
-  a float32 result: cuDNN has no such half kernel and XLA would run the
-  whole convolution in float32."""
-  return jax_compat.bind_conv(lhs, rhs, params,
+def _conv_accelerator(lhs, rhs, *, out_dtype, out_sharding=None,
+                      sum_dtype=None, **params):
+  """GPU/TPU: the half convolution, half result, then cast. Not asked for
+  a float32 result unless ``sum_dtype`` says so: cuDNN has no such half
+  kernel and XLA runs the whole convolution in float32."""
+  return jax_compat.bind_conv(lhs, rhs, params, sum_dtype,
                               out_sharding=out_sharding).astype(out_dtype)
 
 
-def _as_amp(out_dtype=None):
+def _as_amp(out_dtype=None, sum_dtype=None):
   """Binds a replayed convolution as an amp one in ``out_dtype`` (None: the
   dtype it produced), so higher-order AD and vmap of the transposes keep
-  the half x half form."""
+  the half x half form (and the ``sum_dtype`` asked)."""
   def bind_conv(eqn, invals):
     dtype = out_dtype if out_dtype is not None else eqn.outvars[0].aval.dtype
-    sharding = jax_compat.out_sharding(eqn)
-    extra = {} if sharding is None else {"out_sharding": sharding}
+    extra = {k: v for k, v in (("out_sharding", jax_compat.out_sharding(eqn)),
+                               ("sum_dtype", sum_dtype)) if v is not None}
     return amp_conv_general_dilated_p.bind(
         *invals, **jax_compat.conv_params(eqn), out_dtype=np.dtype(dtype),
         **extra)
@@ -147,16 +155,16 @@ def _as_amp(out_dtype=None):
 
 
 def _conv_transpose(side, ct, lhs, rhs, *, out_dtype, out_sharding=None,
-                    **params):
+                    sum_dtype=None, **params):
   del out_dtype, out_sharding
   operand, other = amp_primitive.operands(side, lhs, rhs)
   out = transposed(side, params, _cast(ct, other.dtype), other, operand.aval,
-                   _as_amp())
+                   _as_amp(sum_dtype=sum_dtype))
   return _cast(out, operand.aval.dtype)
 
 
 def _conv_batch(batched_args, batch_dims, *, out_dtype, out_sharding=None,
-                **params):
+                sum_dtype=None, **params):
   del out_sharding  # vmap of an explicitly sharded convolution: JAX's rule.
   out_dim = []
 
@@ -168,13 +176,14 @@ def _conv_batch(batched_args, batch_dims, *, out_dtype, out_sharding=None,
     return out
 
   out = replay_convs(_traced(batched, batched_args), batched_args,
-                     _as_amp(out_dtype))
+                     _as_amp(out_dtype, sum_dtype))
   return _cast(out, out_dtype), out_dim[0]
 
 
-def _as_conv(*, out_dtype, **shape):
+def _as_conv(*, out_dtype, sum_dtype=None, **shape):
   """What remat policies see (``dots_saveable``): the
   ``conv_general_dilated`` it stands for."""
+  del sum_dtype
   return jax.lax.conv_general_dilated_p, {
       **shape, "preferred_element_type": np.dtype(out_dtype)}
 
@@ -296,9 +305,10 @@ CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
 def _lower_conv(op: base.Op, compute, out_dtype) -> list:
   del compute
   base.check_params(op.eqn, CONV_PARAMS)
-  return [amp_conv_general_dilated(*op.args, **jax_compat.conv_params(op.eqn),
-                                   out_dtype=out_dtype,
-                                   out_sharding=jax_compat.out_sharding(op.eqn))]
+  return [amp_conv_general_dilated(
+      *op.args, **jax_compat.conv_params(op.eqn), out_dtype=out_dtype,
+      out_sharding=jax_compat.out_sharding(op.eqn),
+      sum_dtype=collectives.partitioned_sum_dtype(op, out_dtype))]
 
 
 FP8_REASON = ("per-tensor scaled float8_e4m3fn operands (scale = amax/448), "

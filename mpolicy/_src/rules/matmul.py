@@ -43,6 +43,7 @@ from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
 from mpolicy._src.rules import block_matmul
+from mpolicy._src.rules import collectives
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
@@ -108,7 +109,8 @@ def canonical_form(lhs, rhs, dimension_numbers, *, lhs_mk=False, rhs_kn=False):
 
 def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
                     out_dtype: Any, compute_dtype: Any = None,
-                    out_sharding: Any = None, reduction_order: Any = None):
+                    out_sharding: Any = None, reduction_order: Any = None,
+                    sum_dtype: Any = None):
   """``dot_general`` in ``compute_dtype``, float32 accumulation, cast.
 
   The operands are cast to ``compute_dtype`` (default: ``lhs``'s dtype)
@@ -117,7 +119,11 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
   from the float32 accumulator instead of being rounded to half and back.
   ``out_sharding`` (explicit sharding) and ``reduction_order`` (the order
   the float32 accumulator sums the products in, JAX 0.12.1) are
-  `dot_general`'s; each param is bound only when given.
+  `dot_general`'s; ``sum_dtype`` asks GPUs and TPUs for a result in that
+  dtype, cast after, so that the sums XLA's partitioner places on the
+  result (a sharded contracting dimension under `jax.jit`) run in it, in
+  this dot and in its transposes (`OpRules.with_collectives`); each param
+  is bound only when given.
 
   >>> import jax.numpy as jnp
   >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
@@ -129,7 +135,8 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
   compute_dtype = np.dtype(lhs.dtype if compute_dtype is None
                            else compute_dtype)
   extra = {k: v for k, v in (("out_sharding", out_sharding),
-                             ("reduction_order", reduction_order))
+                             ("reduction_order", reduction_order),
+                             ("sum_dtype", sum_dtype))
            if v is not None}
   return amp_primitive.bind(amp_dot_general_p, lhs, rhs,
                             dimension_numbers=dimension_numbers,
@@ -139,7 +146,8 @@ def amp_dot_general(lhs, rhs, *, dimension_numbers, precision=None,
 
 def _dot_composite(lhs, rhs, *, dimension_numbers, precision, out_dtype,
                    compute_dtype, out_sharding=None, reduction_order=None,
-                   pin_lhs=False):
+                   sum_dtype=None, pin_lhs=False):
+  del sum_dtype  # The result is the float32 accumulator already.
   lhs, rhs = _cast(lhs, compute_dtype), _cast(rhs, compute_dtype)
   if out_sharding is None and reduction_order is None:
     a, b, dims, out_shape = canonical_form(lhs, rhs, dimension_numbers,
@@ -168,14 +176,16 @@ def _order_kw(reduction_order) -> dict:
 
 
 def _dot_accelerator(lhs, rhs, *, dimension_numbers, precision, out_dtype,
-                     compute_dtype, out_sharding=None, reduction_order=None):
+                     compute_dtype, out_sharding=None, reduction_order=None,
+                     sum_dtype=None):
   """GPU/TPU: the half dot asked for ``out_dtype`` directly; with a
-  reduction order, for float32 (an order sums in the result's dtype)."""
+  reduction order, for float32 (an order sums in the result's dtype); with
+  a ``sum_dtype``, for that."""
+  wide = jnp.float32 if reduction_order is not None else sum_dtype
   out = lax.dot_general(
       _cast(lhs, compute_dtype), _cast(rhs, compute_dtype), dimension_numbers,
       precision=precision,
-      preferred_element_type=(out_dtype if reduction_order is None
-                              else jnp.float32),
+      preferred_element_type=out_dtype if wide is None else wide,
       out_sharding=out_sharding, **_order_kw(reduction_order))
   return _cast(out, out_dtype)
 
@@ -191,7 +201,8 @@ def _ndim(x) -> int:
 
 
 def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
-                   compute_dtype, out_sharding=None, reduction_order=None):
+                   compute_dtype, out_sharding=None, reduction_order=None,
+                   sum_dtype=None):
   """The cotangent of one operand: another amp dot (half x half, float32
   accumulation), so backward matmuls keep the rules at every order.
 
@@ -201,7 +212,8 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
   gradient of ``x @ w`` is ``dot(x, ct)``), so no transpose is needed.
   A reduction order is the forward contraction's: as in JAX's own
   transposes, the backward products (summing over other dimensions) take
-  none.
+  none. A ``sum_dtype`` is theirs too (a weight gradient contracts the
+  batch, which data parallelism shards).
   """
   del out_dtype, out_sharding, reduction_order
   operand, other = amp_primitive.operands(side, x, y)
@@ -240,20 +252,22 @@ def _dot_transpose(side, ct, x, y, *, dimension_numbers, precision, out_dtype,
     return amp_dot_general(
         other, ct, dimension_numbers=dims, precision=precision,
         out_dtype=operand.aval.dtype, compute_dtype=compute_dtype,
-        out_sharding=amp_primitive.sharding_for(operand.aval, order))
+        out_sharding=amp_primitive.sharding_for(operand.aval, order),
+        sum_dtype=sum_dtype)
   dims = ((ct_other, tuple(other_f)), (batch, tuple(other_b)))
   order = sorted(range(ndim), key=lambda d: ct_first[d])
   out = amp_dot_general(
       ct, other, dimension_numbers=dims, precision=precision,
       out_dtype=operand.aval.dtype, compute_dtype=compute_dtype,
-      out_sharding=amp_primitive.sharding_for(operand.aval, order))
+      out_sharding=amp_primitive.sharding_for(operand.aval, order),
+      sum_dtype=sum_dtype)
   perm = tuple(ct_first[d] for d in range(ndim))
   return out if perm == identity else lax.transpose(out, perm)
 
 
 def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
                out_dtype, compute_dtype, out_sharding=None,
-               reduction_order=None):
+               reduction_order=None, sum_dtype=None):
   del out_sharding  # vmap of an explicitly sharded dot: JAX's own rule.
   lhs, rhs = batched_args
   if not jax_compat.is_leaf_order(reduction_order):
@@ -262,22 +276,23 @@ def _dot_batch(batched_args, batch_dims, *, dimension_numbers, precision,
     composite = functools.partial(
         _dot_composite, dimension_numbers=dimension_numbers,
         precision=precision, out_dtype=out_dtype, compute_dtype=compute_dtype,
-        reduction_order=reduction_order)
+        reduction_order=reduction_order, sum_dtype=sum_dtype)
     return jax.vmap(composite, in_axes=tuple(batch_dims))(lhs, rhs), 0
   new_dims, out_dim = jax_compat.dot_general_batch_dim_nums(
       (np.ndim(lhs), np.ndim(rhs)), tuple(batch_dims), dimension_numbers)
   out = amp_dot_general(lhs, rhs, dimension_numbers=new_dims,
                         precision=precision, out_dtype=out_dtype,
                         compute_dtype=compute_dtype,
-                        reduction_order=reduction_order)
+                        reduction_order=reduction_order, sum_dtype=sum_dtype)
   return out, out_dim
 
 
 def _as_dot_general(*, dimension_numbers, precision, out_dtype,
-                    compute_dtype, out_sharding=None, reduction_order=None):
+                    compute_dtype, out_sharding=None, reduction_order=None,
+                    sum_dtype=None):
   """What remat policies see (``dots_saveable`` and co.): the
   ``dot_general`` it stands for."""
-  del compute_dtype
+  del compute_dtype, sum_dtype
   return lax.dot_general_p, dict(
       dimension_numbers=dimension_numbers, precision=precision,
       preferred_element_type=np.dtype(out_dtype), out_sharding=out_sharding,
@@ -479,10 +494,12 @@ def _lower_dot(op: base.Op, compute, out_dtype) -> list:
   order = jax_compat.reduction_order(op.eqn)
   if order is not None:
     op.why += f"; reduction_order={order!r} kept (float32 accumulator)"
+  sums = collectives.partitioned_sum_dtype(op, out_dtype)
   return [amp_dot_general(
       lhs, rhs, dimension_numbers=dimension_numbers, precision=precision,
       out_dtype=out_dtype, compute_dtype=compute,
-      out_sharding=jax_compat.out_sharding(op.eqn), reduction_order=order)]
+      out_sharding=jax_compat.out_sharding(op.eqn), reduction_order=order,
+      sum_dtype=sums)]
 
 
 DOT_PARAMS = ("dimension_numbers", "precision", "preferred_element_type",
