@@ -5,7 +5,8 @@ layer, and the interpreter would apply its rules to every copy, and JAX
 would then differentiate, transpose and lower every copy. `plan` finds the
 runs of equations that one governed module call made (the equations under
 one region marker), keys each by what it computes and how the rules see it
-(`jax_compat.run_key`, with the region that governs each equation), and
+(`jax_compat.run_key`, with the region that governs each equation, those
+inside its sub-jaxprs included), and
 marks those whose key repeats. `call` interprets such a run once per key,
 inside a `jax.jit` made for it, and binds every copy as one call of it:
 the rules run once per distinct layer, and JAX's caches (JVP, linearize,
@@ -156,8 +157,7 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
   inputs, outputs = _boundary(eqns, s, e, last_read, returned)
   by_names = {}
 
-  def governs(eqn):
-    n = jax_compat.eqn_scope_names(eqn)
+  def governs(n):  # Equations in sub-jaxprs too: their regions differ.
     if n not in by_names:
       region = region_of(prefix + n)
       policy = None if region is None else region.policy
