@@ -188,8 +188,8 @@ class Scope:
     a sub-jaxpr without scope names (`jnp.where`'s `jit` body) depends only
     on the policy at its call site, so a deep model's layers share one
     interpretation (and JAX's caches hit). Nothing is shared while an
-    observer watches (each site is a row)."""
-    if observe.active():
+    observer watches (each site is a row), nor without sharing."""
+    if observe.active() or not config.rules.sharing:
       return None
     if not _unnamed(closed.jaxpr, config.unnamed_cache):
       return None
@@ -245,7 +245,7 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   base = jax_compat.current_name_stack()
   _enter(env, jaxpr, consts, args, config)
   step = config.step
-  if step is None:  # Identical module calls run as calls of one body.
+  if step is None and config.rules.sharing:  # Identical layers: one body.
     plan = repeats.plan(jaxpr, prefix, config.region, env.full_only)
     if plan is not None:
       _eval_plan(env, jaxpr, plan, config, prefix, base)
@@ -282,14 +282,25 @@ def _eval_plan(env: Env, jaxpr, plan, config: Config, prefix, base) -> None:
       _eval_eqn(inner, eqn, config, prefix, here, drop=run.depth)
     return [inner.read(v) for v in run.outputs]
 
+  # Watched, every layer runs where it stands; the observers are told
+  # which would share a body.
+  watched, shared = observe.active(), {}
   for item in plan:
     if not isinstance(item, repeats.Repeat):
       _eval_eqn(env, jaxpr.eqns[item], config, prefix, base)
+      continue
+    if watched:
+      shared.setdefault(repeats.body_key(item, env), []).append(item.scope)
+      for eqn in jaxpr.eqns[item.start:item.end]:
+        _eval_eqn(env, eqn, config, prefix, base)
       continue
     with jax_compat.eqn_context_under(base, jaxpr.eqns[item.start],
                                       keep=item.depth):
       outs = repeats.call(item, env, config.shared, evaluate, Env)
     env.values.update(zip(item.outputs, outs))
+  for scopes in shared.values():
+    if len(scopes) > 1:
+      observe.shared(tuple(scopes))
 
 
 def _enter(env: Env, jaxpr, consts, args, config: Config) -> None:

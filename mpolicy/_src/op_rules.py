@@ -38,6 +38,8 @@ import difflib
 import types
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from mpolicy._src import higher_order
 from mpolicy._src import jax_compat
 from mpolicy._src import rules as _families  # pylint: disable=unused-import  (registers their facts)
@@ -163,6 +165,7 @@ class OpRules:
       default_factory=dict)
   _rules: Mapping[str, RuleFn] = dataclasses.field(default_factory=dict)
   _fp8: fp8_placement.Fp8Options = fp8_placement.Fp8Options()
+  _sharing: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "_table",
@@ -266,7 +269,7 @@ class OpRules:
     table = dict(self._table)
     table.update({name: (op_class, reason) for name, op_class in seen.items()})
     rules = {n: f for n, f in self._rules.items() if n not in seen}
-    return OpRules(table, rules, self._fp8)
+    return OpRules(table, rules, self._fp8, self._sharing)
 
   def with_rule(self, name: str, fn: RuleFn, *, strict: bool = True) -> OpRules:
     """A new table where primitive ``name`` runs as ``fn`` says.
@@ -334,7 +337,8 @@ class OpRules:
           f"{'it names no kernel' if base in kernels.NAMED else repr(base) + ' takes no kernel name'}")
     _check_known((base,), "OpRules.with_rule(name=...)", self._known(), strict)
     table = {n: e for n, e in self._table.items() if n != name}
-    return OpRules(table, dict(self._rules, **{name: fn}), self._fp8)
+    return OpRules(table, dict(self._rules, **{name: fn}), self._fp8,
+                   self._sharing)
 
   @property
   def fp8(self) -> fp8_placement.Fp8Options:
@@ -381,7 +385,43 @@ class OpRules:
                       f"{', '.join(fp8_placement.RECIPE_OPTIONS)}")
     changes.update(recipe)
     return OpRules(self._table, self._rules,
-                   dataclasses.replace(self._fp8, **changes))
+                   dataclasses.replace(self._fp8, **changes), self._sharing)
+
+  @property
+  def sharing(self) -> bool:
+    """Whether identical layers share one interpretation (`with_sharing`)."""
+    return self._sharing
+
+  def with_sharing(self, on: bool) -> OpRules:
+    """A new table that shares (``True``, the default) or not the work of
+    identical layers.
+
+    With sharing, the runs of equations one module call or
+    `jax.named_scope` made are keyed by what they compute and how the
+    rules see them, and those whose key repeats are interpreted once and
+    bound as calls of one body; an unnamed sub-jaxpr (`jnp.where`'s
+    `jit`) is interpreted once per call-site context. Either way the
+    values, policies, keys and reports are those of interpreting every
+    equation where it stands; ``with_sharing(False)`` does exactly that
+    (a program with no calls added, each layer interpreted by itself).
+
+    >>> DEFAULT_RULES.with_sharing(False).sharing, DEFAULT_RULES.sharing
+    (False, True)
+
+    Args:
+      on: whether to share.
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    Raises:
+      TypeError: ``on`` is not a bool.
+    """
+    if not isinstance(on, (bool, np.bool_)):
+      raise TypeError(f"OpRules.with_sharing(on={on!r}): expected True (share "
+                      "identical layers' interpretation, the default) or "
+                      "False (interpret every layer where it stands)")
+    return OpRules(self._table, self._rules, self._fp8, bool(on))
 
   def without_ops(self, *names: str, strict: bool = True) -> OpRules:
     """A new table where ``names`` run in the dtype of their inputs.
@@ -404,13 +444,14 @@ class OpRules:
     _check_known(names, "OpRules.without_ops", self._known(), strict)
     return OpRules({n: e for n, e in self._table.items() if n not in names},
                    {n: f for n, f in self._rules.items() if n not in names},
-                   self._fp8)
+                   self._fp8, self._sharing)
 
   def __reduce__(self):
     # Rebuilt from plain dicts: `copy.deepcopy` and `pickle` work (custom
     # rule functions must be picklable themselves, as module-level
     # functions are).
-    return (OpRules, (dict(self._table), dict(self._rules), self._fp8))
+    return (OpRules, (dict(self._table), dict(self._rules), self._fp8,
+                      self._sharing))
 
   def __iter__(self) -> Iterator[str]:
     return iter(sorted(self._known()))
@@ -425,12 +466,13 @@ class OpRules:
     return (isinstance(other, OpRules)
             and dict(self._table) == dict(other._table)
             and dict(self._rules) == dict(other._rules)
-            and self._fp8 == other._fp8)
+            and self._fp8 == other._fp8
+            and self._sharing == other._sharing)
 
   def __hash__(self) -> int:
     return hash((frozenset(self._table.items()),
                  frozenset(_hash_rule(i) for i in self._rules.items()),
-                 self._fp8))
+                 self._fp8, self._sharing))
 
   def __repr__(self) -> str:
     parts = [f"{c}={sorted(self.names(c))}" for c in CLASSES]
@@ -440,6 +482,8 @@ class OpRules:
                    + "}")
     if self._fp8 != fp8_placement.Fp8Options():
       parts.append(f"fp8={self._fp8!r}")
+    if not self._sharing:
+      parts.append("sharing=False")
     return f"OpRules({', '.join(parts)})"
 
 
