@@ -259,3 +259,100 @@ def test_named_scopes_share_under_vmap_and_grad(monkeypatch):
   assert len(shared) == len(inline) == 9
   for a, b in zip(shared, inline):
     assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+# --- Regions inside a layer's sub-jaxprs --------------------------------------
+
+
+def _checkpointed_layer(x, w1, w2):
+  def matmul(x, w):
+    with jax.named_scope("mm"):
+      return x @ w
+
+  h = jax.checkpoint(matmul)(x, w1) * 1e-3 + 1.0
+  h = h - h.mean(-1, keepdims=True)
+  h = h / jnp.sqrt((h * h).mean(-1, keepdims=True) + 1e-5)
+  return x + jnp.maximum(h, 0.0) @ w2
+
+
+def _checkpointed_layers(x, ws):
+  for i, (w1, w2) in enumerate(ws):
+    with jax.named_scope(f"layer{i}"):
+      x = _checkpointed_layer(x, w1, w2)
+  return x
+
+
+# Layer 2's first matmul overflows float16 (8 * 10 * 3000 > 65504).
+_WS = [(jnp.full((8, 8), s, jnp.float32), jnp.full((8, 8), 0.1, jnp.float32))
+       for s in (0.1, 0.1, 3000.0, 0.1)]
+_X = jnp.full((4, 8), 10.0, jnp.float32)
+
+
+# A remat3 construct keys by identity: layers that hold one do not share.
+_REMAT3 = jax.config.values.get("jax_remat3", False)
+
+
+def _evaluated(fn, *args, eager: bool = True):
+  """``fn``'s program evaluated (``eager``: one primitive at a time, no
+  fusion rounds), and how many layer calls it holds."""
+  closed = jax.make_jaxpr(fn)(*args)
+  leaves = jax.tree_util.tree_leaves(args)
+  if eager:
+    with jax.disable_jit():
+      values = jax_compat.eval_eagerly(closed, *leaves)
+  else:
+    values = jax.jit(jax_compat.eval_eagerly, static_argnums=0)(
+        closed, *leaves)
+  calls = sum(e.primitive is jax_compat.jit_p
+              and e.params["name"].startswith("layer")
+              for e in closed.jaxpr.eqns)
+  return calls, [np.asarray(v) for v in values]
+
+
+def _shared_and_inline(fn, *args, monkeypatch, eager=True):
+  jax.clear_caches()
+  shared = _evaluated(fn, *args, eager=eager)
+  jax.clear_caches()
+  with monkeypatch.context() as m:
+    m.setattr(repeats, "MIN_EQNS", 10**9)
+    inline = _evaluated(fn, *args, eager=eager)
+  jax.clear_caches()
+  return shared, inline
+
+
+def test_a_pattern_inside_a_layers_checkpoint_keeps_that_layer_apart(
+    monkeypatch):
+  f = mpolicy.amp(_checkpointed_layers, "p=f32,c=f16,o=f32")
+  with mpolicy.push_policy("layer2/mm", "full"):
+    (calls, shared), (no_calls, inline) = _shared_and_inline(
+        f, _X, _WS, monkeypatch=monkeypatch)
+  # layer0 (it reads the call's input); layer1 and layer3 share one body.
+  assert (calls, no_calls) == ((0, 0) if _REMAT3 else (3, 0))
+  assert np.isfinite(inline[0]).all()
+  assert shared[0].dtype == inline[0].dtype
+  assert np.array_equal(shared[0], inline[0])
+
+
+@pytest.mark.ci  # Compiling the block formats' gradients: 20-30 s.
+@pytest.mark.skipif(
+    jax.config.values.get("jax_scan3", False),
+    reason="under jax_scan3 JAX 0.12.1 cannot batch the scan3 loop of "
+    "jnp.searchsorted, which the block formats' gradients run under vmap")
+def test_a_block_format_inside_a_layers_checkpoint_keeps_keys_by_place(
+    monkeypatch):
+  ws = [(30 * jax.random.normal(jax.random.PRNGKey(i), (32, 32)),
+         0.2 * jax.random.normal(jax.random.PRNGKey(10 + i), (32, 32)))
+        for i in range(3)]
+  x = jax.random.normal(jax.random.PRNGKey(20), (32, 32))
+
+  def loss(ws, x):
+    return jnp.sum(_checkpointed_layers(x, ws) ** 2)
+
+  grad = jax.grad(mpolicy.amp(loss, "p=f32,c=bf16,o=f32"))
+  with mpolicy.push_policy("*/mm", "p=f32,c=nvfp4,o=f32"):
+    (calls, shared), (_, inline) = _shared_and_inline(
+        grad, ws, x, monkeypatch=monkeypatch, eager=False)
+  assert calls == 0  # Both programs are inline: compiled alike.
+  assert len(shared) == len(inline) == 6
+  for a, b in zip(shared, inline):
+    assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -42,18 +42,24 @@ class _Recorder(observe.Observer):
 
   def __init__(self):
     self.rows: list[Row] = []
+    self.layers_shared: list[tuple[str, ...]] = []
+
+  def shared(self, scopes: tuple[str, ...]) -> None:
+    self.layers_shared.append(scopes)
 
   def after(self, eq: observe.Equation, invals, outs) -> None:
     if eq.decision is not None and not eq.quiet:
       self.rows.append(eq.decision)
 
 
-def _recorded(fn, args, kwargs) -> tuple[list[Row], bool]:
-  """The rows of tracing ``fn``, and whether the interpreter ran (a
-  `jax.jit` of an `amp`-ed function that already ran is traced again)."""
+def _recorded(fn, args, kwargs) -> tuple[list[Row], bool, list]:
+  """The rows of tracing ``fn``, whether the interpreter ran (a `jax.jit`
+  of an `amp`-ed function that already ran is traced again), and the
+  layers that share a body."""
   with observe.watching(_Recorder(), fresh=True) as recorder:
     _trace(fn, args, kwargs)
-    return recorder.rows, observe.interpreter_ran()
+    return (recorder.rows, observe.interpreter_ran(),
+            recorder.layers_shared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,9 @@ class Report:
   Attributes:
     rows: one `Row` per primitive run, in trace order.
     note: how the function was interpreted (e.g. wrapped in `amp`).
+    shared: the scopes of the identical layers that run as calls of one
+      shared body, one tuple per body (`OpRules.with_sharing`); the rows
+      report each layer where it stands.
 
   >>> import jax.numpy as jnp
   >>> from mpolicy._src.amp import amp
@@ -78,6 +87,7 @@ class Report:
   """
   rows: tuple[Row, ...]
   note: str = ""
+  shared: tuple[tuple[str, ...], ...] = ()
 
   @property
   def casts_inserted(self) -> int:
@@ -157,6 +167,7 @@ class Report:
                  for r in self.rows],
         "totals": self._totals(),
         "note": self.note,
+        "shared": [list(s) for s in self.shared],
     }
 
   def __str__(self) -> str:
@@ -176,6 +187,7 @@ class Report:
                  "function; wrap it in mpolicy.amp (or build it with "
                  "mpolicy.transform_amp) for them.")
     out += [fmt(l) for l in lines]
+    out += [f"one shared body: {', '.join(s)}" for s in self.shared]
     out.append(self.summary())  # With the note, if any.
     return "\n".join(out)
 
@@ -206,13 +218,13 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
       fn, "explain", "fn", "an amp-ed function or transform_amp's apply, "
       "called as explain(fn, *args)")
   note = ""
-  rows, ran = _recorded(fn, args, kwargs)
+  rows, ran, shared = _recorded(fn, args, kwargs)
   if not ran:
     # Recorded by the interpreter with every rule and hook off, so the
     # rows have the shape of any other report's.
     note = NOT_AMPED
-    rows, _ = _recorded(amp_lib.amp(_as_written(fn)), args, kwargs)
-  return Report(rows=tuple(rows), note=note)
+    rows, _, shared = _recorded(amp_lib.amp(_as_written(fn)), args, kwargs)
+  return Report(rows=tuple(rows), note=note, shared=tuple(shared))
 
 
 def _as_written(fn: Callable[..., Any]) -> Callable[..., Any]:

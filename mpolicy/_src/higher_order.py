@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
@@ -142,9 +143,26 @@ def _scan(scope, eqn, invals):
   body = jax_compat.sub_jaxpr(eqn)
   carry = invals[n_consts:n_consts + n_carry]
   n_ys = len(body.jaxpr.outvars) - n_carry
-  new = scope.trace(body, _avals_like(body.jaxpr.invars, invals),
-                    out_dtypes=_carry_dtypes(carry) + [None] * n_ys)
-  return _bind(eqn, invals, body=new)
+  avals = _avals_like(body.jaxpr.invars, invals)
+  out_dtypes = _carry_dtypes(carry) + [None] * n_ys
+  places = scope.places
+  new = scope.trace(body, avals, out_dtypes=out_dtypes)
+  if scope.places == places:
+    return _bind(eqn, invals, body=new)
+  # Block matmuls inside drew keys by place: each iteration folds its own
+  # index into them (the body traced again, taking it as a scanned input).
+  scope.places = places
+  new = scope.trace(body, avals, out_dtypes=out_dtypes, iteration=True)
+  options = jax_compat.scan_options(eqn.params)
+
+  def step(carry, x):
+    outs = _hj.eval_closed(new, [*invals[:n_consts], *carry, *x])
+    return outs[:n_carry], outs[n_carry:]
+
+  xs = [*invals[n_consts + n_carry:],
+        jax.numpy.arange(options["length"], dtype=np.int32)]
+  carry, ys = jax.lax.scan(step, list(carry), xs, **options)
+  return [*carry, *ys]
 
 
 @_rule_for(jax_compat.while_p)

@@ -38,11 +38,13 @@ from mpolicy._src import repeats
 from mpolicy._src import rules
 from mpolicy._src import stepping
 from mpolicy._src import sub_computations
+from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import facts as facts_lib
 
 
 Env = environment.Env
+_INDEX = jax_compat.aval_of(np.int32(0))  # A loop body's iteration.
 
 
 # --- Configuration of one run -------------------------------------------------
@@ -125,13 +127,24 @@ class Scope:
       return x
     return self._env.cast(x, dtype)
 
+  @property
+  def places(self) -> int:
+    """How many block matmuls drew keys by place so far (see `trace`)."""
+    return self._env.places[0]
+
+  @places.setter
+  def places(self, count: int) -> None:
+    self._env.places[0] = count
+
   def trace(self, closed, in_avals, out_dtypes=None, *,
-            quiet: bool = False,
-            cast_inputs_to=None) -> jax_compat.ClosedJaxpr:
+            quiet: bool = False, cast_inputs_to=None,
+            iteration: bool = False) -> jax_compat.ClosedJaxpr:
     """Interprets ``closed`` at ``in_avals`` into a new closed jaxpr;
     ``out_dtypes`` fixes floating outputs' dtypes (``None``: as they come),
     ``cast_inputs_to`` the inputs' first; ``quiet`` keeps the equations out
-    of `explain` (probes, lazily traced rules)."""
+    of `explain` (probes, lazily traced rules). With ``iteration`` the new
+    jaxpr takes one more input, last: a loop body's iteration (an int32
+    scalar), folded into the keys of the block matmuls inside."""
     config = dataclasses.replace(self._config,
                                  quiet=self._config.quiet or quiet)
     names = self.names
@@ -139,10 +152,17 @@ class Scope:
     arg_consts = self._arg_consts(in_avals, self._eqn)
     key = self._cache_key(config, closed, in_avals, out_dtypes,
                           cast_inputs_to, arg_params, arg_consts)
-    if key is not None and key in config.trace_cache:
+    if key is not None and key in config.trace_cache and not iteration:
       return config.trace_cache[key]
 
     def run(*args):
+      if iteration:
+        *args, index = args
+        with recipe.iteration(index):
+          return interpret(*args)
+      return interpret(*args)
+
+    def interpret(*args):
       env = Env()
       env.arg_params, env.arg_consts = arg_params, arg_consts
       env.places = self._env.places
@@ -155,9 +175,11 @@ class Scope:
                 for o, d in zip(outs, out_dtypes)]
       return outs
 
+    places = self.places
+    in_avals = [*in_avals, *([_INDEX] if iteration else [])]
     new = jax_compat.trace_to_closed_jaxpr(run, in_avals, like=closed.jaxpr)
-    if key is not None:
-      config.trace_cache[key] = new
+    if key is not None and self.places == places and not iteration:
+      config.trace_cache[key] = new  # It drew no keys by place: reusable.
     return new
 
   def _cache_key(self, config, closed, in_avals, out_dtypes, cast_inputs_to,
@@ -166,8 +188,8 @@ class Scope:
     a sub-jaxpr without scope names (`jnp.where`'s `jit` body) depends only
     on the policy at its call site, so a deep model's layers share one
     interpretation (and JAX's caches hit). Nothing is shared while an
-    observer watches (each site is a row)."""
-    if observe.active():
+    observer watches (each site is a row), nor without sharing."""
+    if observe.active() or not config.rules.sharing:
       return None
     if not _unnamed(closed.jaxpr, config.unnamed_cache):
       return None
@@ -223,7 +245,7 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   base = jax_compat.current_name_stack()
   _enter(env, jaxpr, consts, args, config)
   step = config.step
-  if step is None:  # Identical module calls run as calls of one body.
+  if step is None and config.rules.sharing:  # Identical layers: one body.
     plan = repeats.plan(jaxpr, prefix, config.region, env.full_only)
     if plan is not None:
       _eval_plan(env, jaxpr, plan, config, prefix, base)
@@ -260,14 +282,25 @@ def _eval_plan(env: Env, jaxpr, plan, config: Config, prefix, base) -> None:
       _eval_eqn(inner, eqn, config, prefix, here, drop=run.depth)
     return [inner.read(v) for v in run.outputs]
 
+  # Watched, every layer runs where it stands; the observers are told
+  # which would share a body.
+  watched, shared = observe.active(), {}
   for item in plan:
     if not isinstance(item, repeats.Repeat):
       _eval_eqn(env, jaxpr.eqns[item], config, prefix, base)
+      continue
+    if watched:
+      shared.setdefault(repeats.body_key(item, env), []).append(item.scope)
+      for eqn in jaxpr.eqns[item.start:item.end]:
+        _eval_eqn(env, eqn, config, prefix, base)
       continue
     with jax_compat.eqn_context_under(base, jaxpr.eqns[item.start],
                                       keep=item.depth):
       outs = repeats.call(item, env, config.shared, evaluate, Env)
     env.values.update(zip(item.outputs, outs))
+  for scopes in shared.values():
+    if len(scopes) > 1:
+      observe.shared(tuple(scopes))
 
 
 def _enter(env: Env, jaxpr, consts, args, config: Config) -> None:

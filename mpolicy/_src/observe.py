@@ -208,6 +208,11 @@ class Observer:
     """Called where the rule of ``op`` quantizes one of its values (while
     it is traced, forward or backward), if this observer overrides it."""
 
+  def shared(self, scopes: tuple[str, ...]) -> None:
+    """Called with the scopes of layers that would be bound as calls of one
+    shared body (`repeats`) were no observer watching (each still runs
+    where it stands, told to the observers)."""
+
 
 def _wants_quantizations(o: Observer) -> bool:
   return type(o).quantized is not Observer.quantized
@@ -344,6 +349,11 @@ def quantized(label: Optional[str], quantization: Quantization) -> None:
     for o in _state.observers:
       if _wants_quantizations(o):
         o.quantized(op, quantization)
+
+
+def shared(scopes: tuple[str, ...]) -> None:
+  for o in _state.observers:
+    o.shared(scopes)
 
 
 def count_run() -> None:

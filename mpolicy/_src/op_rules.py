@@ -186,6 +186,7 @@ class OpRules:
   _rules: Mapping[str, RuleFn] = dataclasses.field(default_factory=dict)
   _fp8: fp8_placement.Fp8Options = fp8_placement.Fp8Options()
   _sum_dtype: Optional[np.dtype] = None
+  _sharing: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "_table",
@@ -449,6 +450,42 @@ class OpRules:
     return dataclasses.replace(
         self, _sum_dtype=collectives.check_sum_dtype(sum_dtype))
 
+  @property
+  def sharing(self) -> bool:
+    """Whether identical layers share one interpretation (`with_sharing`)."""
+    return self._sharing
+
+  def with_sharing(self, on: bool) -> OpRules:
+    """A new table that shares (``True``, the default) or not the work of
+    identical layers.
+
+    With sharing, the runs of equations one module call or
+    `jax.named_scope` made are keyed by what they compute and how the
+    rules see them, and those whose key repeats are interpreted once and
+    bound as calls of one body; an unnamed sub-jaxpr (`jnp.where`'s
+    `jit`) is interpreted once per call-site context. Either way the
+    values, policies, keys and reports are those of interpreting every
+    equation where it stands; ``with_sharing(False)`` does exactly that
+    (a program with no calls added, each layer interpreted by itself).
+
+    >>> DEFAULT_RULES.with_sharing(False).sharing, DEFAULT_RULES.sharing
+    (False, True)
+
+    Args:
+      on: whether to share.
+
+    Returns:
+      A new `OpRules`; this one is unchanged.
+
+    Raises:
+      TypeError: ``on`` is not a bool.
+    """
+    if not isinstance(on, (bool, np.bool_)):
+      raise TypeError(f"OpRules.with_sharing(on={on!r}): expected True (share "
+                      "identical layers' interpretation, the default) or "
+                      "False (interpret every layer where it stands)")
+    return dataclasses.replace(self, _sharing=bool(on))
+
   def without_ops(self, *names: str, strict: bool = True) -> OpRules:
     """A new table where ``names`` run in the dtype of their inputs.
 
@@ -477,7 +514,7 @@ class OpRules:
     # rule functions must be picklable themselves, as module-level
     # functions are).
     return (OpRules, (dict(self._table), dict(self._rules), self._fp8,
-                      self._sum_dtype))
+                      self._sum_dtype, self._sharing))
 
   def __iter__(self) -> Iterator[str]:
     return iter(sorted(self._known()))
@@ -493,12 +530,13 @@ class OpRules:
             and dict(self._table) == dict(other._table)
             and dict(self._rules) == dict(other._rules)
             and self._fp8 == other._fp8
-            and self._sum_dtype == other._sum_dtype)
+            and self._sum_dtype == other._sum_dtype
+            and self._sharing == other._sharing)
 
   def __hash__(self) -> int:
     return hash((frozenset(self._table.items()),
                  frozenset(_hash_rule(i) for i in self._rules.items()),
-                 self._fp8, self._sum_dtype))
+                 self._fp8, self._sum_dtype, self._sharing))
 
   def __repr__(self) -> str:
     parts = [f"{c}={sorted(self.names(c))}" for c in CLASSES]
@@ -510,6 +548,8 @@ class OpRules:
       parts.append(f"fp8={self._fp8!r}")
     if self._sum_dtype is not None:
       parts.append(f"collectives=sum_dtype {self._sum_dtype.name}")
+    if not self._sharing:
+      parts.append("sharing=False")
     return f"OpRules({', '.join(parts)})"
 
 

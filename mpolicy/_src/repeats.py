@@ -5,7 +5,8 @@ layer, and the interpreter would apply its rules to every copy, and JAX
 would then differentiate, transpose and lower every copy. `plan` finds the
 runs of equations that one governed module call made (the equations under
 one region marker), keys each by what it computes and how the rules see it
-(`jax_compat.run_key`, with the region that governs each equation), and
+(`jax_compat.run_key`, with the region that governs each equation, those
+inside its sub-jaxprs included), and
 marks those whose key repeats. `call` interprets such a run once per key,
 inside a `jax.jit` made for it, and binds every copy as one call of it:
 the rules run once per distinct layer, and JAX's caches (JVP, linearize,
@@ -13,9 +14,11 @@ transpose, lowering) meet one body.
 
 Values carry marks across the call both ways (parameter, constant,
 broadcast, the wider value a half one was cast down from), so each layer is
-computed bit for bit as it would be inline. Nothing is shared while an
-observer watches (explain and the debugger report every layer), while a
-program is replayed, or where a block format draws random keys by place.
+computed bit for bit as it would be inline. Nothing is shared under
+``OpRules.with_sharing(False)``, while an observer watches (explain and
+the debugger report every layer, and are told which would share,
+`body_key`), while a program is replayed, or where a block format draws
+random keys by place.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import numpy as np
 
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
-from mpolicy._src import observe
 from mpolicy._src import regions
 from mpolicy._src.blocks import formats
 
@@ -54,6 +56,7 @@ class Repeat:
   outputs: tuple
   key: Any
   name: str
+  scope: str = ""
 
 
 def _units(names: Sequence[tuple], lo: int, hi: int,
@@ -102,7 +105,7 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
   """``jaxpr``'s equations as indices and repeated `Repeat`s, in order; or
   ``None`` when nothing repeats (or sharing is off: see the module)."""
   eqns = jaxpr.eqns
-  if len(eqns) < 2 * MIN_EQNS or observe.active():
+  if len(eqns) < 2 * MIN_EQNS:
     return None
   names = [jax_compat.eqn_scope_names(e) for e in eqns]
   candidates: list = []
@@ -160,8 +163,7 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
   inputs, outputs = _boundary(eqns, s, e, last_read, returned)
   by_names = {}
 
-  def governs(eqn):
-    n = jax_compat.eqn_scope_names(eqn)
+  def governs(n):  # Equations in sub-jaxprs too: their regions differ.
     if n not in by_names:
       region = region_of(prefix + n)
       policy = None if region is None else region.policy
@@ -183,7 +185,8 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
   name = re.sub(r"_\d+$", "", plain[-1]) if plain else "scope"
   return Repeat(s, e, d, inputs, outputs,
              (key, tuple(v in full_only for v in outputs)),
-             re.sub(r"\W", "_", name) or "scope")
+             re.sub(r"\W", "_", name) or "scope",
+             "/".join(regions.plain_scope_names(prefix + names[s][:d])))
 
 
 # --- Calling a shared run -----------------------------------------------------
@@ -243,6 +246,12 @@ class _Body:
                      zip(outs, self.out_marks) if m[3])]
 
 
+def body_key(run: Repeat, env) -> tuple:
+  """The key of the shared body ``run`` is bound as a call of in ``env``:
+  runs with equal keys are calls of one body."""
+  return (run.key, tuple(_marks(env, env.values[v]) for v in run.inputs))
+
+
 def call(run: Repeat, env, cache: dict, evaluate, new_env) -> list:
   """Binds ``run`` as one call of its shared body; returns its outputs.
 
@@ -250,7 +259,7 @@ def call(run: Repeat, env, cache: dict, evaluate, new_env) -> list:
   ``new_env()`` whose inputs are set) and returns its outputs' values.
   """
   values = [env.values[v] for v in run.inputs]
-  in_marks = tuple(_marks(env, x) for x in values)
+  _, in_marks = body_key(run, env)
   body = cache.get((run.key, in_marks))
   if body is None:
     body = cache[run.key, in_marks] = _Body(run, in_marks, evaluate, new_env)

@@ -210,3 +210,61 @@ def test_places_count_across_sub_jaxprs():
   g1, g2 = jax.grad(mpolicy.amp(f, "p=f32,c=mxfp4,o=f32", rules=rules),
                     (0, 1))(w, w, x)
   assert not np.array_equal(np.asarray(g1), np.asarray(g2))
+
+
+def test_one_unnamed_jit_called_at_two_places_draws_two_keys():
+  # The interpretation of an unnamed sub-jaxpr is reused across call sites,
+  # except one that drew keys by place: each site is its own place.
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+  w = jax.random.normal(jax.random.PRNGKey(1), (32, 32))
+  rules = mpolicy.DEFAULT_RULES.with_fp8(min_size=0, hadamard=False)
+  mm = jax.jit(lambda a, b: a @ b)
+
+  def f(w1, w2, x):
+    return jnp.sum(mm(x, w1) * mm(x, w2))
+
+  g1, g2 = jax.grad(mpolicy.amp(f, "p=f32,c=nvfp4,o=f32", rules=rules),
+                    (0, 1))(w, w, x)
+  assert not np.array_equal(np.asarray(g1), np.asarray(g2))
+
+
+def _scanned_layers(ws, x):
+  def body(total, w):
+    return total + jnp.sum(jnp.tanh(x @ w) ** 2), None
+
+  return jax.lax.scan(body, jnp.float32(0), ws)[0]
+
+
+def test_each_iteration_of_a_scanned_layer_draws_its_own_noise():
+  # Two iterations of one scanned layer, with equal weights and inputs: the
+  # stochastic rounding of their gradients differs (the iteration is folded
+  # into the keys), and is the same from run to run.
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+  w = 0.2 * jax.random.normal(jax.random.PRNGKey(1), (32, 32))
+  rules = mpolicy.DEFAULT_RULES.with_fp8(hadamard=False)
+  grad = jax.jit(jax.grad(mpolicy.amp(_scanned_layers, "p=f32,c=nvfp4,o=f32",
+                                      rules=rules)))
+  g = np.asarray(grad(jnp.stack([w, w]), x))
+  assert not np.array_equal(g[0], g[1])
+  np.testing.assert_array_equal(g, np.asarray(grad(jnp.stack([w, w]), x)))
+
+
+def test_each_microbatch_folds_its_index_into_the_keys(monkeypatch):
+  # The microbatches run as one scan body: each block matmul's key folds
+  # the microbatch's index (a traced int32), as a scanned layer's does.
+  folded = []
+  op_key = recipe.op_key
+
+  def recording(seed, place, step=None, iterations=()):
+    folded.append(tuple(str(jnp.asarray(i).dtype) for i in iterations))
+    return op_key(seed, place, step, iterations)
+
+  monkeypatch.setattr(recipe, "op_key", recording)
+  x = jnp.ones((32, 32))
+  w = {"w": jnp.ones((32, 16))}
+  f = mpolicy.amp(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2),
+                  "p=f32,c=nvfp4,o=f32")
+  opt = optax.sgd(1.0)
+  jax.make_jaxpr(mpolicy.make_train_step(f, opt, microbatches=2))(
+      w, opt.init(w), mpolicy.NoOpLossScale(), x)
+  assert folded and set(folded) == {("int32",)}, folded

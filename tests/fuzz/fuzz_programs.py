@@ -572,3 +572,19 @@ def check_half_is_close(seed: int, policy: str,
     assert err <= _TOLERANCE[policy], _describe(
         seed, program, f"{policy} {mode}: relative error {err:.3g} = "
         f"{err / UNIT_ROUNDOFF[policy]:.1f} u > {TOLERANCE_IN_U} u")
+
+
+def check_sharing_is_bitwise(seed: int, policy: str) -> None:
+  """`amp(f, policy)` computes the same bits with its shortcuts (shared
+  layers, reused interpretations of sub-jaxprs) as without them
+  (``DEFAULT_RULES.with_sharing(False)``), under jit, grad and jvp."""
+  programs = _programs(seed)
+  unshared = mpolicy.DEFAULT_RULES.with_sharing(False)
+  for mode in ("jit", "grad", "jvp"):
+    program = programs["fwd" if mode in _FORWARD_ONLY else "rev"]
+    f = _as_fn(program)
+    run = _runner(mode, seed)
+    got = run(mpolicy.amp(f, _POLICIES[policy]))
+    want = run(mpolicy.amp(f, _POLICIES[policy], rules=unshared))
+    assert same_bits(got, want), _describe(
+        seed, program, f"sharing on and off differ under {mode} ({policy})")

@@ -62,6 +62,7 @@ from fuzz_programs import (
     _X64_OPS,
     check_full_is_bitwise,
     check_half_is_close,
+    check_sharing_is_bitwise,
     x64_everywhere,
 )
 
@@ -119,6 +120,18 @@ def test_full_policy_is_bitwise_plain_long(seed):
 @pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
 def test_half_policies_are_close_and_finite_long(seed, policy):
   check_half_is_close(seed, policy)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_SHORT))
+def test_sharing_on_and_off_give_the_same_bits(seed, policy):
+  check_sharing_is_bitwise(seed, policy)
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+@pytest.mark.parametrize("seed", _seeds(_LONG, slow=True))
+def test_sharing_on_and_off_give_the_same_bits_long(seed, policy):
+  check_sharing_is_bitwise(seed, policy)
 
 
 # --- Scatters, window reductions and host callbacks after matmuls ---------------

@@ -6,7 +6,9 @@ a random 16 x 16 Hadamard transform (`hadamard_rotate`). Their randomness
 comes from one key per matmul, `op_key`: the rules' ``seed`` option folded
 with the matmul's place in the program (its count among the block matmuls
 of the interpreted program, sub-jaxprs included) and, where a step count is given (`step_count`),
-with it, so that a step is reproducible and steps differ.
+with it, so that a step is reproducible and steps differ; inside a loop body
+(a `scan`, each microbatch of `make_train_step`) with the iteration
+(`iteration`), so that iterations differ too.
 
 >>> import jax, jax.numpy as jnp
 >>> x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
@@ -32,6 +34,8 @@ HADAMARD_SIZE = 16
 
 _STEP: contextvars.ContextVar = contextvars.ContextVar(
     "mpolicy_block_step", default=None)
+_ITERATIONS: contextvars.ContextVar = contextvars.ContextVar(
+    "mpolicy_block_iterations", default=())
 
 
 def _hadamard(n: int) -> np.ndarray:
@@ -62,18 +66,37 @@ def current_step() -> Optional[Any]:
   return _STEP.get()
 
 
-def op_key(seed: int, place: int, step: Optional[Any] = None) -> jax.Array:
+@contextlib.contextmanager
+def iteration(index: Any) -> Iterator[None]:
+  """Folds ``index`` (a loop body's traced iteration) into the keys of the
+  block matmuls traced inside, after those of the loops around it."""
+  token = _ITERATIONS.set((*_ITERATIONS.get(), index))
+  try:
+    yield
+  finally:
+    _ITERATIONS.reset(token)
+
+
+def current_iterations() -> tuple:
+  """The iterations `iteration` set, outermost first."""
+  return _ITERATIONS.get()
+
+
+def op_key(seed: int, place: int, step: Optional[Any] = None,
+           iterations: tuple = ()) -> jax.Array:
   """``fold_in(fold_in(PRNGKey(seed), place), step)`` (no step: two folds
-  only), a raw ``uint32[2]`` key.
+  only), then each of ``iterations`` folded in: a raw ``uint32[2]`` key.
 
   >>> bool(jnp.all(op_key(0, 1) == op_key(0, 1)))
   True
   >>> bool(jnp.all(op_key(0, 1, 5) == op_key(0, 1, 6)))
   False
+  >>> bool(jnp.all(op_key(0, 1, None, (0,)) == op_key(0, 1, None, (1,))))
+  False
   """
   key = jax.random.fold_in(jax.random.PRNGKey(seed), place)
-  if step is not None:
-    key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
+  for fold in (() if step is None else (step,)) + tuple(iterations):
+    key = jax.random.fold_in(key, jnp.asarray(fold, jnp.uint32))
   return key
 
 

@@ -74,6 +74,23 @@ def scan_counts(params) -> tuple[int, int]:
       f"in its params ({sorted(params)}); this JAX version is not supported")
 
 
+_SCAN_STRUCTURE = ("jaxpr", "num_consts", "num_carry", "linear", "ft_in",
+                   "ft_out")
+
+
+def scan_options(params) -> dict:
+  """A `scan` equation's params as `jax.lax.scan` keyword arguments: all
+  but its body and the layout of its operands (``length``, ``reverse``,
+  ``unroll``, and whatever a newer JAX adds: `jax.lax.scan` refuses one
+  it does not take, naming it).
+
+  >>> scan_options({"num_consts": 0, "num_carry": 1, "length": 5,
+  ...               "reverse": False, "unroll": 1, "linear": (False,)})
+  {'length': 5, 'reverse': False, 'unroll': 1}
+  """
+  return {k: v for k, v in params.items() if k not in _SCAN_STRUCTURE}
+
+
 def scan_layout(params) -> tuple[int, int, int, bool]:
   """``(n_consts, n_carry, length, reverse)`` of a `scan` equation's params.
 
@@ -393,6 +410,7 @@ __all__ = [
     "ragged_dot_dimension_numbers",
     "reduction_order",
     "result_dtype",
+    "scan_options",
     "scan_counts",
     "scan_layout",
     "shard_map_body_context",

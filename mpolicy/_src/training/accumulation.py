@@ -42,6 +42,7 @@ import numpy as np
 
 from mpolicy._src import distributed
 from mpolicy._src import jax_compat
+from mpolicy._src.blocks import recipe
 from mpolicy._src.training import _trees
 from mpolicy._src.training import microbatches as microbatches_lib
 from mpolicy._src.training import scaling
@@ -219,16 +220,20 @@ class _Plan:
       carry_vmas = [jax_compat.varying_axes(c)
                     for c in jax.tree_util.tree_leaves(carry)]
 
-      def body(carry, leaves):
-        out, ys = self._add(carry, loss_scale, params, rebuild(leaves),
-                            kwargs)
+      def body(carry, leaves_and_index):
+        leaves, index = leaves_and_index
+        with recipe.iteration(index):  # The block formats' keys differ.
+          out, ys = self._add(carry, loss_scale, params, rebuild(leaves),
+                              kwargs)
         if types.typed:  # The carry keeps its types from one microbatch on.
           flat, treedef = jax.tree_util.tree_flatten(out)
           out = treedef.unflatten(
               [_widen(x, v) for x, v in zip(flat, carry_vmas)])
         return out, ys
 
-      carry, (losses, auxes) = lax.scan(body, carry, batch.xs, length=self.k)
+      carry, (losses, auxes) = lax.scan(
+          body, carry, (batch.xs, jnp.arange(self.k, dtype=jnp.int32)),
+          length=self.k)
     return self._finish(carry, losses, auxes, params, types)
 
   def _start(self, params, state, types):
