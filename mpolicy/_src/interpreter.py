@@ -284,7 +284,8 @@ def _eval_plan(env: Env, jaxpr, plan, config: Config, prefix, base) -> None:
 
   # Watched, every layer runs where it stands; the observers are told
   # which would share a body.
-  watched, shared = observe.active(), {}
+  watched = observe.active()
+  shared: dict[Any, list[str]] = {}
   for item in plan:
     if not isinstance(item, repeats.Repeat):
       _eval_eqn(env, jaxpr.eqns[item], config, prefix, base)
