@@ -428,9 +428,15 @@ class OpRules:
     ``shard_map`` or ``pmap`` casts them to ``sum_dtype``, sums, and casts
     the result back to their dtype: a bfloat16 partial matmul of a
     row-parallel layer is summed in float32 and stays bfloat16 after.
-    `explain` shows each such sum. Sums that XLA places itself (a matmul
-    whose contracting dimension is sharded under ``jax.jit``) are not in
-    the program: see docs/distributed.md.
+    `explain` shows each such sum. So do the sums in the transposes of an
+    ``all_gather`` (FSDP's reduce-scatter of a weight's gradient) and of a
+    ``pvary``, under `jax.grad` of the amp-ed function. Under ``jax.jit``
+    without ``shard_map``, where XLA's partitioner places the sums of a
+    matmul whose contracting dimension is sharded on the matmul's result,
+    half matmuls and convolutions (and their transposes) ask for their
+    result in ``sum_dtype`` and cast it after, so those sums run in it too
+    (on CPU they already do; on GPU and TPU this writes float32 results,
+    and cuDNN runs such a convolution in float32).
 
     >>> import jax.numpy as jnp
     >>> r = DEFAULT_RULES.with_collectives(sum_dtype=jnp.float32)
