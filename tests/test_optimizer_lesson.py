@@ -31,11 +31,12 @@ def corpus(lesson):
 
 
 @pytest.mark.slow
-def test_tiny_stochastic_run_keeps_bfloat16_and_counts_unchanged_params(
-    lesson, corpus):
+@pytest.mark.parametrize("mode,nbytes", [("stochastic", 6), ("low_bits", 8)])
+def test_tiny_run_keeps_bfloat16_and_counts_unchanged_params(
+    lesson, corpus, mode, nbytes):
   config = lesson.char_transformer.ModelConfig(
       seq_len=8, d_model=8, num_heads=2, num_layers=1)
-  r = lesson.run(corpus, config, mode="stochastic", steps=3, batch_size=2,
+  r = lesson.run(corpus, config, mode=mode, steps=3, batch_size=2,
                  log_every=0)
   series = r.log.extra[lesson.NEVER_CHANGED]
   assert len(series) == 3 and 0 < series[-1] < 100
@@ -43,19 +44,7 @@ def test_tiny_stochastic_run_keeps_bfloat16_and_counts_unchanged_params(
   assert np.isfinite(r.metrics["final loss"])
   assert 0 <= r.metrics["unchanged by a step"] <= 100
   table = lesson.lesson_table([r])
-  assert "| stochastic | 6 |" in table and "+0.00%" in table
-
-
-@pytest.mark.slow
-def test_tiny_low_bits_run_keeps_bfloat16_params_and_uint16_low_bits(
-    lesson, corpus):
-  config = lesson.char_transformer.ModelConfig(
-      seq_len=8, d_model=8, num_heads=2, num_layers=1)
-  r = lesson.run(corpus, config, mode="low_bits", steps=3, batch_size=2,
-                 log_every=0)
-  assert np.isfinite(r.metrics["final loss"])
-  assert r.metrics["never changed"] < 100
-  assert "| low_bits | 8 |" in lesson.lesson_table([r])
+  assert f"| {mode} | {nbytes} |" in table and "+0.00%" in table
 
 
 def test_never_changed_percent_counts_false_flags(lesson):
