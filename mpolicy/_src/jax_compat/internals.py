@@ -208,8 +208,7 @@ VERSION_SPECIFIC_PRIMITIVES: dict[str, tuple] = {
     "closed_call": (None, (0, 12, 0)),
     "call": (None, (0, 12, 0)),
     # New element-wise primitives (`rules.classes` gives each its rule).
-    "log2": ((0, 11, 2), None),
-    "one_minus_square": ((0, 11, 2), None),
+    **dict.fromkeys(("log2", "one_minus_square"), ((0, 11, 2), None)),
     "polynomial": ((0, 12, 0), None),
     **dict.fromkeys(("acospi", "asinpi", "atan2pi", "atanpi", "cospi",
                      "sinpi", "tanpi", "exp2m1", "log2p1", "fma", "fmuladd"),
