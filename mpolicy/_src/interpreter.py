@@ -191,7 +191,7 @@ class Scope:
     observer watches (each site is a row), nor without sharing."""
     if observe.active() or not config.rules.sharing:
       return None
-    if not _unnamed(closed.jaxpr, config.unnamed_cache):
+    if not repeats.unnamed(closed.jaxpr, config.unnamed_cache):
       return None
     region = config.region(self.names)
     governs = (None if region is None
@@ -207,21 +207,6 @@ class Scope:
     except TypeError:
       return None
     return key
-
-
-def _unnamed(jaxpr, cache: dict) -> bool:
-  """Whether no equation of ``jaxpr`` (or of its sub-jaxprs) has scope names."""
-  try:
-    return cache[jaxpr]
-  except KeyError:
-    pass
-  out = all(not jax_compat.eqn_scope_names(eqn)
-            and all(_unnamed(sub.jaxpr if hasattr(sub, "consts") else sub,
-                             cache)
-                    for sub in jax_compat.jaxprs_in_params(eqn.params))
-            for eqn in jaxpr.eqns)
-  cache[jaxpr] = out
-  return out
 
 
 # --- The loop -----------------------------------------------------------------
@@ -355,23 +340,10 @@ def _run(env: Env, eqn, invals, names, config: Config, eq) -> list:
   if region is None or not region.full_precision:
     sub_computations.check(eqn, config.rules)
   if eq is not None and observe.in_float32(eq):  # An op-level island.
-    return _in_float32(env, eqn, invals, lambda ins: rules.run(
-        env, eqn, ins, config.rules, regions.FULL_PRECISION, names,
-        quiet=config.quiet))
+    return rules.run_in_float32(env, eqn, invals, config.rules, names,
+                                quiet=config.quiet)
   return rules.run(env, eqn, invals, config.rules, region, names,
                    quiet=config.quiet)
-
-
-def _in_float32(env: Env, eqn, invals, run) -> list:
-  """Runs ``eqn`` in float32: half operands cast up, then ``run(operands)``
-  as written; a cast to a narrower float keeps its float32 operand."""
-  invals = [env.cast(x, np.float32) if dtypes.float_value(x)
-            and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
-  if (eqn.primitive is jax_compat.convert_element_type_p
-      and dtypes.is_half(jax_compat.cast_target(eqn)[0])
-      and dtypes.float_value(invals[0])):
-    return [invals[0]]
-  return run(invals)
 
 
 def _read_only_by_full(jaxpr, rules) -> set:
