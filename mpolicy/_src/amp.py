@@ -170,7 +170,8 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   pol = None if policy is None else policy_lib.get_policy(policy)
   outer = (None if pol is None else
            regions.Region(policy=pol, decided_by=f"amp(policy={pol})"))
-  config = interpreter.Config(rules=rules, outer=outer)
+  config = interpreter.Config(rules=rules, outer=outer,
+                              mode=interpreter.rules_mode(rules))
 
   # Framework objects updated in place (Flax NNX) go in and out as state.
   objects = frameworks.ObjectArguments()

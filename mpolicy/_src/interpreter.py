@@ -10,15 +10,17 @@ registry pattern, or `amp`'s own ``policy``), then hands it on:
   its sub-jaxprs through `Scope.trace`;
 * any other primitive to `rules.run`, which looks up its rules.
 
-Module calls that repeat (a deep model's identical layers) are interpreted
-once each and bound as calls of one body (`repeats`). The values live in an
-`environment.Env`. Tools watch each equation through `observe`; `replay`
-runs a finished program as written, stepping through its constructs
-(`stepping`), for the debugger.
+Each decision of the loop is its `Mode`'s (`Config.mode`): `Rules` as
+above; `Sharing`, which also interprets a deep model's identical layers
+once each, bound as calls of one body (`repeats`); `Replay`, which runs a
+finished program as written for the debugger (`replay`), stepping through
+its constructs (`stepping`). The values live in an `environment.Env`;
+tools watch each equation through `observe`.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 import dataclasses
 from typing import Any, Optional
@@ -54,6 +56,7 @@ _INDEX = jax_compat.aval_of(np.int32(0))  # A loop body's iteration.
 class Config:
   rules: op_rules_lib.OpRules
   outer: Optional[regions.Region]
+  mode: "Mode"  # What the loop does at each decision (`Mode`).
   quiet: bool = False
   # Regions resolved in this run, by scope names (a look-up per scope).
   region_cache: dict = dataclasses.field(default_factory=dict, compare=False)
@@ -61,17 +64,9 @@ class Config:
   trace_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   unnamed_cache: dict = dataclasses.field(default_factory=dict, compare=False)
   shared: dict = dataclasses.field(default_factory=dict, compare=False)
-  step: Optional["Step"] = None  # While replayed as written (`replay`).
 
   def region(self, names: tuple[str, ...]) -> Optional[regions.Region]:
-    if self.step is not None:
-      return None  # Replayed as written: nothing governs.
-    try:
-      return self.region_cache[names]
-    except KeyError:
-      region = registry.region_for_scopes(names, outer=self.outer)
-      self.region_cache[names] = region
-      return region
+    return self.mode.region(self, names)
 
 
 class Scope:
@@ -189,9 +184,9 @@ class Scope:
     on the policy at its call site, so a deep model's layers share one
     interpretation (and JAX's caches hit). Nothing is shared while an
     observer watches (each site is a row), nor without sharing."""
-    if observe.active() or not config.rules.sharing:
+    if not config.mode.reuses_traces():
       return None
-    if not _unnamed(closed.jaxpr, config.unnamed_cache):
+    if not repeats.unnamed(closed.jaxpr, config.unnamed_cache):
       return None
     region = config.region(self.names)
     governs = (None if region is None
@@ -209,32 +204,17 @@ class Scope:
     return key
 
 
-def _unnamed(jaxpr, cache: dict) -> bool:
-  """Whether no equation of ``jaxpr`` (or of its sub-jaxprs) has scope names."""
-  try:
-    return cache[jaxpr]
-  except KeyError:
-    pass
-  out = all(not jax_compat.eqn_scope_names(eqn)
-            and all(_unnamed(sub.jaxpr if hasattr(sub, "consts") else sub,
-                             cache)
-                    for sub in jax_compat.jaxprs_in_params(eqn.params))
-            for eqn in jaxpr.eqns)
-  cache[jaxpr] = out
-  return out
-
-
 # --- The loop -----------------------------------------------------------------
 
 
 def eval_jaxpr(jaxpr, consts, args, config: Config,
                prefix: tuple[str, ...], env: Optional[Env] = None) -> list:
-  """Evaluates ``jaxpr`` on ``consts`` and ``args`` under the rules.
+  """Evaluates ``jaxpr`` on ``consts`` and ``args`` in ``config``'s mode.
 
   Args:
     jaxpr: an open jaxpr.
     consts, args: values for its constvars and invars.
-    config: the rule table and the outer region of this run.
+    config: the rule table, the outer region and the mode of this run.
     prefix: the scope names the jaxpr's equations sit under.
     env: the environment to evaluate in (a new one if ``None``).
 
@@ -243,19 +223,16 @@ def eval_jaxpr(jaxpr, consts, args, config: Config,
   """
   env = Env() if env is None else env
   base = jax_compat.current_name_stack()
-  _enter(env, jaxpr, consts, args, config)
-  step = config.step
-  if step is None and config.rules.sharing:  # Identical layers: one body.
-    plan = repeats.plan(jaxpr, prefix, config.region, env.full_only)
-    if plan is not None:
-      _eval_plan(env, jaxpr, plan, config, prefix, base)
-      return [env.read(v) for v in jaxpr.outvars]
-  reads = None if step is None else _forward_read(jaxpr, step)
-  dead = None if step is None else _dead_after(jaxpr)
-  for n, eqn in enumerate(jaxpr.eqns):
-    _eval_eqn(env, eqn, config, prefix, base, reads)
-    for var in dead[n] if dead is not None else ():
-      env.values.pop(var, None)  # Read for the last time: its memory goes.
+  mode = config.mode
+  env.values.update(zip(jaxpr.constvars, consts))
+  env.values.update(zip(jaxpr.invars, args))
+  mode.enter(env, jaxpr, consts, config)
+  if not mode.shared(env, jaxpr, config, prefix, base):
+    reads, dead = mode.liveness(jaxpr)
+    for n, eqn in enumerate(jaxpr.eqns):
+      _eval_eqn(env, eqn, config, prefix, base, reads)
+      for var in dead[n] if dead is not None else ():
+        env.values.pop(var, None)  # Read for the last time: its memory goes.
   return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -272,68 +249,12 @@ def _eval_eqn(env: Env, eqn, config: Config, prefix, base, reads=None,
       env.values[var] = out
 
 
-def _eval_plan(env: Env, jaxpr, plan, config: Config, prefix, base) -> None:
-  """Runs `repeats.plan`'s equations and shared runs in order."""
-
-  def evaluate(inner: Env, run: repeats.Repeat) -> list:
-    inner.full_only, inner.places = env.full_only, env.places
-    here = jax_compat.current_name_stack()
-    for eqn in jaxpr.eqns[run.start:run.end]:
-      _eval_eqn(inner, eqn, config, prefix, here, drop=run.depth)
-    return [inner.read(v) for v in run.outputs]
-
-  # Watched, every layer runs where it stands; the observers are told
-  # which would share a body.
-  watched = observe.active()
-  shared: dict[Any, list[str]] = {}
-  for item in plan:
-    if not isinstance(item, repeats.Repeat):
-      _eval_eqn(env, jaxpr.eqns[item], config, prefix, base)
-      continue
-    if watched:
-      shared.setdefault(repeats.body_key(item, env), []).append(item.scope)
-      for eqn in jaxpr.eqns[item.start:item.end]:
-        _eval_eqn(env, eqn, config, prefix, base)
-      continue
-    with jax_compat.eqn_context_under(base, jaxpr.eqns[item.start],
-                                      keep=item.depth):
-      outs = repeats.call(item, env, config.shared, evaluate, Env)
-    env.values.update(zip(item.outputs, outs))
-  for scopes in shared.values():
-    if len(scopes) > 1:
-      observe.shared(tuple(scopes))
-
-
-def _enter(env: Env, jaxpr, consts, args, config: Config) -> None:
-  """Binds the jaxpr's constvars and invars; marks parameters, constants."""
-  env.values.update(zip(jaxpr.constvars, consts))
-  env.values.update(zip(jaxpr.invars, args))
-  if config.step is not None:
-    return  # Replayed as written: no rule reads the marks.
-  for x in consts:
-    env.mark_param(x)
-  env.full_only = _read_only_by_full(jaxpr, config.rules)
-  flags = env.arg_params
-  for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
-    if flag:
-      env.mark_param(env.values[var])
-  for var, value in zip(jaxpr.invars, env.arg_consts or ()):
-    if value is not None:
-      env.mark_const(env.values[var], value)
-
-
 def _observed(env: Env, eqn, invals, names, config: Config, reads) -> list:
   """Runs one equation, told to the observers (`observe`) if any watch."""
   if not observe.active():
     return _run(env, eqn, invals, names, config, None)
-  step = config.step
   eq = observe.Equation(eqn, names, config.region(names), config.quiet)
-  if step is not None:
-    eq.iteration, eq.device, eq.traced = (step.iteration, step.device,
-                                          step.traced)
-    eq.transforms = step.transforms + jax_compat.eqn_transforms(eqn)
-    eq.outs_read = tuple(v in reads for v in eqn.outvars)
-    eq.feeds_forward = any(eq.outs_read) or bool(eqn.effects)  # A write.
+  config.mode.describe(eq, eqn, reads)
   observe.before(eq, invals)
   outs = None
   try:
@@ -344,34 +265,157 @@ def _observed(env: Env, eqn, invals, names, config: Config, reads) -> list:
 
 
 def _run(env: Env, eqn, invals, names, config: Config, eq) -> list:
-  """Runs one equation: a higher-order one by its rule in `higher_order`
-  (its step rule while replaying), any other by `rules.run`."""
+  """Runs one equation as the mode runs a higher- or first-order one."""
   rule = higher_order.rule_for(eqn.primitive)
-  if config.step is not None:
-    return _step(env, eqn, invals, names, config, eq, rule)
   if rule is not None:
+    return config.mode.higher_order(env, eqn, invals, names, config, eq, rule)
+  return config.mode.first_order(env, eqn, invals, names, config, eq)
+
+
+# --- The modes ----------------------------------------------------------------
+
+
+class Mode(abc.ABC):
+  """What the loop does at each of its decisions: one object per way of
+  running a jaxpr (`Rules`, `Sharing`, `Replay`), given to the loop in
+  `Config.mode` as JAX's interpreters are given their rules. A decision
+  left out is an error at construction."""
+
+  @abc.abstractmethod
+  def region(self, config: Config, names) -> Optional[regions.Region]:
+    """The region that governs code under scope ``names``."""
+
+  @abc.abstractmethod
+  def enter(self, env: Env, jaxpr, consts, config: Config) -> None:
+    """Marks what the rules read of ``jaxpr``'s bound inputs."""
+
+  @abc.abstractmethod
+  def shared(self, env: Env, jaxpr, config: Config, prefix, base) -> bool:
+    """Runs ``jaxpr``'s identical layers as calls of one body, the rest
+    around them; ``False`` (nothing run): the loop runs it instead."""
+
+  @abc.abstractmethod
+  def liveness(self, jaxpr) -> tuple[Optional[set], Optional[list]]:
+    """The variables the forward pass reads (for the observers) and, per
+    equation, those dead after it (dropped); ``None`` for neither."""
+
+  @abc.abstractmethod
+  def describe(self, eq: observe.Equation, eqn, reads) -> None:
+    """Fills in what the observers see of ``eqn`` beyond its region."""
+
+  @abc.abstractmethod
+  def first_order(self, env: Env, eqn, invals, names, config: Config,
+                  eq) -> list:
+    """The outputs of a first-order equation."""
+
+  @abc.abstractmethod
+  def higher_order(self, env: Env, eqn, invals, names, config: Config, eq,
+                   rule) -> list:
+    """The outputs of a higher-order equation (``rule``: its rule in
+    `higher_order`)."""
+
+  @abc.abstractmethod
+  def reuses_traces(self) -> bool:
+    """Whether `Scope.trace` may serve one interpretation of an unnamed
+    sub-jaxpr to every call site."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules(Mode):
+  """Each equation under the rules of its region, where it stands."""
+
+  def region(self, config, names):
+    try:
+      return config.region_cache[names]
+    except KeyError:
+      region = registry.region_for_scopes(names, outer=config.outer)
+      config.region_cache[names] = region
+      return region
+
+  def enter(self, env, jaxpr, consts, config):
+    for x in consts:
+      env.mark_param(x)
+    env.full_only = _read_only_by_full(jaxpr, config.rules)
+    flags = env.arg_params
+    for var, flag in zip(jaxpr.invars, flags or [True] * len(jaxpr.invars)):
+      if flag:
+        env.mark_param(env.values[var])
+    for var, value in zip(jaxpr.invars, env.arg_consts or ()):
+      if value is not None:
+        env.mark_const(env.values[var], value)
+
+  def shared(self, env, jaxpr, config, prefix, base):
+    return False
+
+  def liveness(self, jaxpr):
+    return None, None
+
+  def describe(self, eq, eqn, reads):
+    pass
+
+  def first_order(self, env, eqn, invals, names, config, eq):
+    region = config.region(names)
+    if region is None or not region.full_precision:
+      sub_computations.check(eqn, config.rules)
+    if eq is not None and observe.in_float32(eq):  # An op-level island.
+      return rules.run_in_float32(env, eqn, invals, config.rules, names,
+                                  quiet=config.quiet)
+    return rules.run(env, eqn, invals, config.rules, region, names,
+                     quiet=config.quiet)
+
+  def higher_order(self, env, eqn, invals, names, config, eq, rule):
     return rule(Scope(config, env, names, invals, eqn), eqn, invals)
-  region = config.region(names)
-  if region is None or not region.full_precision:
-    sub_computations.check(eqn, config.rules)
-  if eq is not None and observe.in_float32(eq):  # An op-level island.
-    return _in_float32(env, eqn, invals, lambda ins: rules.run(
-        env, eqn, ins, config.rules, regions.FULL_PRECISION, names,
-        quiet=config.quiet))
-  return rules.run(env, eqn, invals, config.rules, region, names,
-                   quiet=config.quiet)
+
+  def reuses_traces(self):
+    return False
 
 
-def _in_float32(env: Env, eqn, invals, run) -> list:
-  """Runs ``eqn`` in float32: half operands cast up, then ``run(operands)``
-  as written; a cast to a narrower float keeps its float32 operand."""
-  invals = [env.cast(x, np.float32) if dtypes.float_value(x)
-            and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
-  if (eqn.primitive is jax_compat.convert_element_type_p
-      and dtypes.is_half(jax_compat.cast_target(eqn)[0])
-      and dtypes.float_value(invals[0])):
-    return [invals[0]]
-  return run(invals)
+@dataclasses.dataclass(frozen=True)
+class Sharing(Rules):
+  """The rules, with a deep model's identical layers interpreted once each
+  and bound as calls of one body (`repeats`; `OpRules.with_sharing`)."""
+
+  def shared(self, env, jaxpr, config, prefix, base):
+    plan = repeats.plan(jaxpr, prefix, config.region, env.full_only)
+    if plan is None:
+      return False
+
+    def evaluate(inner: Env, run: repeats.Repeat) -> list:
+      inner.full_only, inner.places = env.full_only, env.places
+      here = jax_compat.current_name_stack()
+      for eqn in jaxpr.eqns[run.start:run.end]:
+        _eval_eqn(inner, eqn, config, prefix, here, drop=run.depth)
+      return [inner.read(v) for v in run.outputs]
+
+    # Watched, every layer runs where it stands; the observers are told
+    # which would share a body.
+    watched = observe.active()
+    bodies: dict[Any, list[str]] = {}
+    for item in plan:
+      if not isinstance(item, repeats.Repeat):
+        _eval_eqn(env, jaxpr.eqns[item], config, prefix, base)
+        continue
+      if watched:
+        bodies.setdefault(repeats.body_key(item, env), []).append(item.scope)
+        for eqn in jaxpr.eqns[item.start:item.end]:
+          _eval_eqn(env, eqn, config, prefix, base)
+        continue
+      with jax_compat.eqn_context_under(base, jaxpr.eqns[item.start],
+                                        keep=item.depth):
+        outs = repeats.call(item, env, config.shared, evaluate, Env)
+      env.values.update(zip(item.outputs, outs))
+    for scopes in bodies.values():
+      if len(scopes) > 1:
+        observe.shared(tuple(scopes))
+    return True
+
+  def reuses_traces(self):
+    return not observe.active()  # Watched, each call site is a row.
+
+
+def rules_mode(table: op_rules_lib.OpRules) -> Mode:
+  """The mode that runs under ``table``: `Sharing` unless it says not."""
+  return Sharing() if table.sharing else Rules()
 
 
 def _read_only_by_full(jaxpr, rules) -> set:
@@ -396,8 +440,9 @@ def _read_only_by_full(jaxpr, rules) -> set:
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
-  """Where a replayed jaxpr runs (see `replay`).
+class Replay(Mode):
+  """A program run as written (see `replay`): no region governs, no rule
+  applies, loops are stepped through; where it runs.
 
   Attributes:
     iteration: the loop iteration (``None``: outside loops).
@@ -415,6 +460,59 @@ class Step:
   outs_read: Optional[tuple[bool, ...]] = None
   binds: Any = None
 
+  def region(self, config, names):
+    return None  # Nothing governs.
+
+  def enter(self, env, jaxpr, consts, config):
+    pass  # No rule reads the marks.
+
+  def shared(self, env, jaxpr, config, prefix, base):
+    return False
+
+  def liveness(self, jaxpr):
+    """What equations outside a backward pass read (and the outputs that
+    `outs_read` says are read), then `_dead_after`."""
+    outs_read = self.outs_read
+    if outs_read is None:
+      outs_read = ("transpose" not in self.transforms,) * len(jaxpr.outvars)
+    reads = {v for v, read in zip(jaxpr.outvars, outs_read)
+             if read and not isinstance(v, jax_compat.Literal)}
+    for eqn in jaxpr.eqns:
+      if "transpose" not in self.transforms + jax_compat.eqn_transforms(eqn):
+        reads.update(v for v in eqn.invars
+                     if not isinstance(v, jax_compat.Literal))
+    return reads, _dead_after(jaxpr)
+
+  def describe(self, eq, eqn, reads):
+    eq.iteration, eq.device, eq.traced = (self.iteration, self.device,
+                                          self.traced)
+    eq.transforms = self.transforms + jax_compat.eqn_transforms(eqn)
+    eq.outs_read = tuple(v in reads for v in eqn.outvars)
+    eq.feeds_forward = any(eq.outs_read) or bool(eqn.effects)  # A write.
+
+  def first_order(self, env, eqn, invals, names, config, eq):
+    return self.higher_order(env, eqn, invals, names, config, eq, None)
+
+  def higher_order(self, env, eqn, invals, names, config, eq, rule):
+    """As `binds` says, by its step rule (`stepping`), else as one."""
+    bind = (self.binds or {}).get(eqn.primitive)
+    if bind is not None:
+      return list(bind(eqn, invals))
+    step_rule = (None if rule is None else
+                 stepping.rule_for(eqn.primitive, self.traced))
+    if step_rule is not None:
+      reads = None if eq is None else eq.outs_read
+      outs = step_rule(Stepper(config, self, names, eqn, eq, reads), eqn, invals)
+      if outs is not None:
+        if eq is not None:
+          eq.stepped = True
+        return list(outs)
+    out = jax_compat.bind(eqn.primitive, invals, eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+  def reuses_traces(self):
+    return False
+
 
 def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
   """Runs ``closed`` as written, one equation at a time, eagerly.
@@ -425,7 +523,8 @@ def replay(closed: jax_compat.ClosedJaxpr, args) -> list:
   see every equation with concrete values, iteration and device: the
   debugger checks programs so.
   """
-  config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, step=Step())
+  config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None,
+                  mode=Replay())
   return eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), config,
                     ())
 
@@ -435,7 +534,7 @@ def replay_binding(closed: jax_compat.ClosedJaxpr, args, binds) -> list:
   the primitives of ``binds`` (primitive -> ``bind(eqn, invals)``) as it
   says: for an op rule reusing JAX's rule (a convolution's transpose)."""
   config = Config(rules=op_rules_lib.DEFAULT_RULES, outer=None, quiet=True,
-                  step=Step(binds=binds))
+                  mode=Replay(binds=binds))
   with observe.unwatched():
     return eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), config,
                       ())
@@ -444,30 +543,12 @@ def replay_binding(closed: jax_compat.ClosedJaxpr, args, binds) -> list:
 amp_primitive.install_replay(replay_binding)
 
 
-def _step(env: Env, eqn, invals, names, config: Config, eq, rule) -> list:
-  """Runs ``eqn`` of a replayed program: as `Step.binds` says, by its step
-  rule, else as one."""
-  bind = (config.step.binds or {}).get(eqn.primitive)  # type: ignore[union-attr]  # Set while replayed.
-  if bind is not None:
-    return list(bind(eqn, invals))
-  step_rule = (None if rule is None else
-               stepping.rule_for(eqn.primitive, config.step.traced))  # type: ignore[union-attr]  # Set while replayed.
-  if step_rule is not None:
-    reads = None if eq is None else eq.outs_read
-    outs = step_rule(Stepper(config, names, eqn, eq, reads), eqn, invals)
-    if outs is not None:
-      if eq is not None:
-        eq.stepped = True
-      return list(outs)
-  out = jax_compat.bind(eqn.primitive, invals, eqn.params)
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
 class Stepper:
   """What a step rule needs: running a body, reporting moved values."""
 
-  def __init__(self, config: Config, names, eqn, eq, outs_read):
-    self._config, self._names, self._eq = config, names, eq
+  def __init__(self, config: Config, mode: Replay, names, eqn, eq,
+               outs_read):
+    self._config, self._mode, self._names, self._eq = config, mode, names, eq
     self.eqn = eqn
     self.outs_read = list(outs_read or [True] * len(eqn.outvars))
 
@@ -476,15 +557,15 @@ class Stepper:
     """Replays ``sub`` (an open or closed jaxpr) on ``args``."""
     jaxpr, consts = ((sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts")
                      else (sub, []))
-    step: Step = self._config.step  # type: ignore[assignment]  # Set while replayed.
+    mode = self._mode
     inner = dataclasses.replace(
-        step, transforms=step.transforms + jax_compat.eqn_transforms(
+        mode, transforms=mode.transforms + jax_compat.eqn_transforms(
             self.eqn),
-        iteration=step.iteration if iteration is None else iteration,
-        traced=step.traced or traced,
+        iteration=mode.iteration if iteration is None else iteration,
+        traced=mode.traced or traced,
         outs_read=tuple(self.outs_read if outs_read is None else outs_read))
     return eval_jaxpr(jaxpr, consts, list(args),
-                      dataclasses.replace(self._config, step=inner),
+                      dataclasses.replace(self._config, mode=inner),
                       self._names)
 
   def moved(self, source, value) -> None:
@@ -495,29 +576,11 @@ class Stepper:
     """A block around the tracing of a `shard_map` body (device ``index``,
     traced); ``as`` gives a function returning the array the observers
     carry out of it, one row per device once the body has run."""
-    self._config = dataclasses.replace(
-        self._config, step=dataclasses.replace(self._config.step,
-                                               device=index))
+    self._mode = dataclasses.replace(self._mode, device=index)
     return observe.per_device(self._eq)
 
   def devices_ran(self, carried, outs) -> None:
     observe.devices_ran(self._eq, carried, outs)
-
-
-def _forward_read(jaxpr, step: Step) -> set:
-  """The variables of ``jaxpr`` that equations outside the backward pass
-  read; its outputs count where ``step.outs_read`` says the enclosing
-  equation's results are so read."""
-  outs_read: Optional[Sequence[bool]] = step.outs_read
-  if outs_read is None:
-    outs_read = ["transpose" not in step.transforms] * len(jaxpr.outvars)
-  found = {v for v, read in zip(jaxpr.outvars, outs_read)
-           if read and not isinstance(v, jax_compat.Literal)}
-  for eqn in jaxpr.eqns:
-    if "transpose" not in step.transforms + jax_compat.eqn_transforms(eqn):
-      found.update(v for v in eqn.invars
-                   if not isinstance(v, jax_compat.Literal))
-  return found
 
 
 def _dead_after(jaxpr) -> list[list]:

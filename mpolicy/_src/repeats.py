@@ -144,6 +144,22 @@ def plan(jaxpr, prefix: tuple, region_of: Callable[[tuple], Any],
   return out if any(isinstance(r, Repeat) for r in out) else None
 
 
+def unnamed(jaxpr, cache: dict) -> bool:
+  """Whether no equation of ``jaxpr`` (or of its sub-jaxprs) has scope
+  names: one interpretation of it serves every call site."""
+  try:
+    return cache[jaxpr]
+  except KeyError:
+    pass
+  out = all(not jax_compat.eqn_scope_names(eqn)
+            and all(unnamed(sub.jaxpr if hasattr(sub, "consts") else sub,
+                            cache)
+                    for sub in jax_compat.jaxprs_in_params(eqn.params))
+            for eqn in jaxpr.eqns)
+  cache[jaxpr] = out
+  return out
+
+
 def _emit(names, lo, hi, depth, runs, counts, out: list) -> None:
   for unit in _units(names, lo, hi, depth):
     run = runs.get(unit[:2]) if isinstance(unit, tuple) else None

@@ -17,7 +17,8 @@ the code they describe:
 * `collectives`: cross-device sums in the dtype `OpRules.with_collectives`
   asks;
 * `custom`: the user's rules (`OpRules.with_rule`);
-* `dispatch`: `run`, which looks the rules up in order.
+* `dispatch`: `run`, which looks the rules up in order (`run_in_float32`:
+  in float32, as written).
 
 Importing this package registers every family.
 """
@@ -29,5 +30,7 @@ from mpolicy._src.rules import kernels
 from mpolicy._src.rules import matmul
 from mpolicy._src.rules import special
 from mpolicy._src.rules.dispatch import run
+from mpolicy._src.rules.dispatch import run_in_float32
 
-__all__ = ["classes", "collectives", "conv", "kernels", "matmul", "special", "run"]
+__all__ = ["classes", "collectives", "conv", "kernels", "matmul", "special", "run",
+           "run_in_float32"]

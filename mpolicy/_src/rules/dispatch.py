@@ -100,6 +100,21 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
   return outs
 
 
+def run_in_float32(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
+                   names: tuple[str, ...], quiet: bool = False) -> list:
+  """Runs ``eqn`` in float32 (an op-level island, `observe.in_float32`):
+  half operands cast up, then as written (`run`); a cast to a narrower
+  float keeps its float32 operand."""
+  invals = [env.cast(x, np.float32) if dtypes.float_value(x)
+            and dtypes.is_half(dtypes.dtype_of(x)) else x for x in invals]
+  if (eqn.primitive is jax_compat.convert_element_type_p
+      and dtypes.is_half(jax_compat.cast_target(eqn)[0])
+      and dtypes.float_value(invals[0])):
+    return [invals[0]]
+  return run(env, eqn, invals, rules, regions.FULL_PRECISION, names,
+             quiet=quiet)
+
+
 def _keep_param(env: base.RuleEnv, eqn, invals, out) -> None:
   """A re-arrangement of a parameter is a parameter. One of a parameter
   cast down (a tied embedding table that the code casts to bfloat16 and
