@@ -106,12 +106,12 @@ def _narrow(x: Any, axes: frozenset) -> Any:
   if not ordered or _trees.is_complex(x):
     return x
   if x.dtype == jnp.bool_:
-    return lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
+    return lax.pmax(x.astype(jnp.int32), ordered).astype(jnp.bool_)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    return lax.pmax(x, axes)
+    return lax.pmax(x, ordered)
   bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
   return lax.bitcast_convert_type(
-      lax.pmax(lax.bitcast_convert_type(x, bits), axes), x.dtype)
+      lax.pmax(lax.bitcast_convert_type(x, bits), ordered), x.dtype)
 
 
 def _typed(axes: tuple) -> bool:
