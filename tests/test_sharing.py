@@ -106,7 +106,15 @@ def _values(make, rules, eager: bool) -> list:
       jax_compat.eval_eagerly, static_argnums=0)(closed, *leaves)]
 
 
-@pytest.mark.parametrize("name", [*PROGRAMS, *COMPILED])
+# The Haiku model (10 s on 2 cores) runs once, in CI's newest job (-m ci),
+# as tests/test_repeats.py's bit-for-bit check of Haiku blocks does; the
+# plain-JAX programs run in every default run.
+_ONCE = {"haiku_blocks"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.ci) if n in _ONCE else n
+    for n in [*PROGRAMS, *COMPILED]])
 def test_sharing_on_and_off_give_the_same_bits(name):
   make = PROGRAMS.get(name) or COMPILED[name]
   eager = name in PROGRAMS
