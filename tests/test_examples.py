@@ -249,6 +249,9 @@ def test_lesson_counts_the_logit_gradients_float16_flushes():
 # --- Bad flags: a clear message at start-up, no traceback ---------------------
 
 
+# Ten subprocesses (45 s of CPU) checking absl flag parsing, which does not
+# depend on JAX's version: once, in CI's newest job (-m ci).
+@pytest.mark.ci
 @pytest.mark.parametrize("example, flag, message", [
     ("digits_cnn", "--mp_scale_type=Bogus",
      "flag --mp_scale_type=Bogus: value should be one of <NoOp|Static|Dynamic>"),
