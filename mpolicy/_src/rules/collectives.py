@@ -46,26 +46,26 @@ from mpolicy._src.rules import fp8_mesh
 SUMS = ("psum", "psum_invariant", "reduce_scatter")
 
 
-def _wider(op: base.Op) -> tuple[Optional[np.dtype], list]:
-  """``(sum_dtype, operand dtypes)``; ``sum_dtype`` is ``None`` where
-  nothing is asked or no floating operand is narrower."""
+def _wider(op: base.Op) -> tuple[Optional[np.dtype], list, list]:
+  """``(sum_dtype, operand dtypes, the dtype each operand is summed in)``;
+  ``sum_dtype`` is ``None`` where nothing is asked or no floating operand
+  is narrower."""
   wide = op.rules.collective_sum_dtype
   narrow = [dtypes.dtype_of(a) for a in op.args]
-  if wide is None or op.op_class == base.AS_WRITTEN or not any(
-      dtypes.is_float(d) and d.itemsize < wide.itemsize for d in narrow):
-    return None, narrow
-  return wide, narrow
+  if wide is None or op.op_class == base.AS_WRITTEN:
+    return None, narrow, narrow
+  widen = [wide if dtypes.is_float(d) and d.itemsize < wide.itemsize else d
+           for d in narrow]
+  return (wide if widen != narrow else None), narrow, widen
 
 
 def _sum_in(op: base.Op) -> Optional[list]:
   """The sum in the table's ``sum_dtype``, cast back; ``None`` (declines)
   where nothing is asked or nothing is narrower."""
-  wide, narrow = _wider(op)
+  wide, narrow, widen = _wider(op)
   if wide is None:
     return None
-  args = [base.cast_as_traced(op.env, a, wide)
-          if dtypes.is_float(d) and d.itemsize < wide.itemsize else a
-          for a, d in zip(op.args, narrow)]
+  args = [base.cast_as_traced(op.env, a, d) for a, d in zip(op.args, widen)]
   outs = base.bind(op.eqn, args)
   op.args = args
   op.rule = f"sum in {wide.name}"
@@ -77,14 +77,13 @@ def _sum_in(op: base.Op) -> Optional[list]:
 
 facts.register(SUMS, special=_sum_in)
 
+
 def _summed_back_in(op: base.Op) -> Optional[list]:
   """The collective as written, its transpose (a sum) in ``sum_dtype``."""
-  wide, narrow = _wider(op)
+  wide, narrow, widen = _wider(op)
   if wide is None:
     return None
   eqn = op.eqn
-  widen = [wide if dtypes.is_float(d) and d.itemsize < wide.itemsize else d
-           for d in narrow]
   # Zeros typed as the operands (their shapes, the wide dtype, the mesh
   # axes they vary over): where `linear_transpose` reads the types from.
   types = [(np.shape(a), d, jax_compat.varying_axes(a))
