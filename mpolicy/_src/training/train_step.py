@@ -152,8 +152,10 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`; `axis_name` names the data axes only.
-      `reduce_dtype` (float32 by default) passed without `axis_name` does
-      nothing and warns.
+      `reduce_dtype` (float32 by default) holds for the sums JAX's AD
+      places in the backward pass too (FSDP's reduce-scatter, see
+      `scaled_value_and_grad`); passed without `axis_name` it does nothing
+      and warns.
     average_state: with `has_state` and `axis_name`, average the floating
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
