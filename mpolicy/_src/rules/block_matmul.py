@@ -4,8 +4,8 @@ The matmuls the float8 placement admits (`fp8_placement.admit`) run with
 both operands fake-quantized in blocks along the contracting dimension
 (`blocks.quantize.fake_quantize`: the block format's exact values, held in
 float32), multiplied with float32 accumulation, and rounded to the result
-dtype (bfloat16). This is the emulation; no backend's native block-scaled
-matmul is asked for yet.
+dtype (bfloat16). On CUDA, where the device has one, the native
+block-scaled dot multiplies the same quantized operands (`blocks.native`).
 
 The backward matmuls quantize their own operands along their own
 contracting dimension, from the unquantized values (the cotangent and the
