@@ -243,9 +243,7 @@ class Policy:
     param_dtype: the dtype parameters are created and stored in.
     compute_dtype: the dtype computation runs in (bfloat16 under a format).
     output_dtype: the dtype outputs are cast to.
-    matmul_format: the quantized matmul format
-      (``"fp8"``, ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``), or ``None``:
-      matmuls compute in ``compute_dtype``.
+    matmul_format: the quantized matmul format, or ``None``.
 
   Raises:
     TypeError: a field is not a dtype.
@@ -259,8 +257,6 @@ class Policy:
   'p=f32,c=bf16,o=f32'
   >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
   dtype(bfloat16)
-  >>> Policy(jnp.float32, jnp.float8_e4m3fn, jnp.bfloat16).matmul_format
-  'fp8'
 
   See also: `get_policy`, `cast_to_full`, `cast_to_half`.
   """
@@ -268,6 +264,9 @@ class Policy:
   compute_dtype: Any
   output_dtype: Any
   matmul_format: Optional[str] = None
+  """``"fp8"``, ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``: what the matmuls
+  the float8 placement picks are quantized to; ``None``: matmuls compute in
+  ``compute_dtype``. `str` writes it as the compute dtype (``c=mxfp8``)."""
   if TYPE_CHECKING:  # Set by __post_init__.
     _dtypes: tuple = dataclasses.field(init=False)
     _hash: int = dataclasses.field(init=False)
