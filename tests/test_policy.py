@@ -307,7 +307,9 @@ def test_a_format_needs_a_bfloat16_compute_dtype():
 
 
 def test_two_different_formats_are_an_error():
-  with pytest.raises(ValueError, match="names two matmul formats"):
+  with pytest.raises(ValueError, match=(
+      "names two matmul formats: 'mxfp8' as its compute_dtype and 'nvfp4' "
+      "as its matmul_format")):
     Policy(jnp.float32, "mxfp8", jnp.bfloat16, matmul_format="nvfp4")
   assert Policy(jnp.float32, "mxfp8", jnp.bfloat16,
                 matmul_format="mxfp8") == get_policy("c=mxfp8")

@@ -277,9 +277,9 @@ class Policy:
     if named is not None:
       if fmt is not None and fmt != named:
         raise ValueError(
-            f"Policy names two matmul formats: compute_dtype "
-            f"{self.compute_dtype} and matmul_format {fmt!r}. Give one: "
-            f"compute_dtype=jnp.bfloat16, matmul_format={fmt!r}.")
+            f"Policy names two matmul formats: {named!r} as its compute_dtype "
+            f"and {fmt!r} as its matmul_format. Give one, as matmul_format, "
+            f"with compute_dtype=jnp.bfloat16.")
       fmt = named
       object.__setattr__(self, "compute_dtype", FORMAT_COMPUTE)
     object.__setattr__(self, "matmul_format", fmt)
