@@ -183,8 +183,7 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
     if n not in by_names:
       region = region_of(prefix + n)
       policy = None if region is None else region.policy
-      if policy is not None and isinstance(policy.compute_dtype,
-                                           formats.BlockFormat):
+      if policy is not None and policy.matmul_format in formats.FORMATS:
         raise jax_compat.Unkeyable("block format: keys drawn by place")
       by_names[n] = (None if region is None else  # What rules read.
                      (policy, region.full_precision,

@@ -56,12 +56,8 @@ REASON = {
 
 
 def format_of_op(op) -> Optional[formats.BlockFormat]:
-  """The block format of the policy governing ``op``, else ``None``."""
-  region = op.region
-  if region is None or region.policy is None:
-    return None
-  compute = region.policy.compute_dtype
-  return compute if isinstance(compute, formats.BlockFormat) else None
+  """The block format the policy governing ``op`` names, else ``None``."""
+  return formats.FORMATS.get(op.matmul_format)
 
 
 def reason(fmt: formats.BlockFormat, options=None) -> str:

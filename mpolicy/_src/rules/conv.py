@@ -329,7 +329,7 @@ def _conv_sizes(eqn) -> tuple[int, int, int]:
 def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   """The float8 convolution, where `fp8_placement.admit` lets it run."""
   name = fp8_placement.low_precision_name(op)
-  if name != op.fp8_dtype.name:  # type: ignore[union-attr]  # Set for float8 ops.
+  if op.matmul_format != "fp8":
     op.note = (f", not {name}: block formats cover matmuls (dot_general), "
                "not convolutions")
     return None
