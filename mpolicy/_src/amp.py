@@ -32,6 +32,10 @@ from mpolicy._src import regions
 AMP_ATTRIBUTE = "__mpolicy_amp__"
 """Set on every interpreted function: ``(policy, rules)``."""
 
+RUN_ATTRIBUTE = "__mpolicy_run__"
+"""Set on every interpreted function: ``run(env, *args, **kwargs)`` runs it
+once, traced, with ``env`` (an `environment.Env`) as its top environment."""
+
 
 def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax_compat.Tracer))
@@ -176,8 +180,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   # Framework objects updated in place (Flax NNX) go in and out as state.
   objects = frameworks.ObjectArguments()
 
-  def run(static: _Static, arrays: list):
-    return _run_call(fn, config, pol, cast_outputs, static, arrays, objects)
+  def run(static: _Static, arrays: list, env=None):
+    return _run_call(fn, config, pol, cast_outputs, static, arrays, objects,
+                     env)
 
   # The eager cache. Called outside any transformation, the interpreted
   # program is compiled once per signature by this `jax.jit` rather than
@@ -194,14 +199,20 @@ def interpret(fn: Callable[..., Any], *, policy=None,
         return finish(compiled(static, arrays))
       return finish(run(static, arrays))  # Under a transformation.
 
+  def run_in(env, *args, **kwargs):
+    with objects.outside((args, kwargs)) as (pure, finish):
+      return finish(run(*split_arguments((pure,), {}), env))
+
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
+  setattr(interpreted, RUN_ATTRIBUTE, run_in)
   return interpreted
 
 
 def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
               static: _Static, arrays: list,
-              objects: frameworks.ObjectArguments):
-  """One call of an interpreted ``fn``: trace, interpret, cast outputs.
+              objects: frameworks.ObjectArguments, env=None):
+  """One call of an interpreted ``fn``: trace, interpret, cast outputs
+  (in ``env``, a new `environment.Env` if ``None``).
 
   Returns ``(states, output)`` as `ObjectArguments.inside_done` makes
   them: the state of the framework objects among the arguments (Flax NNX)
@@ -231,7 +242,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   # values needs).
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
   observe.count_run()
-  env = environment.Env()
+  env = environment.Env() if env is None else env
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,
       dataclasses.replace(config, region_cache={}, shared={}),

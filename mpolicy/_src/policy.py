@@ -54,7 +54,8 @@ _KEYS = {"p": "param", "params": "param",
 _VALID_KEYS = "params|p, compute|c, output|o"
 _VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, "
                  "f64|float64, f8|float8|e4m3|float8_e4m3fn (compute only), "
-                 f"{'|'.join(block_formats.NAMES)} (block-scaled, compute only)")
+                 f"{'|'.join(block_formats.NAMES)} (block-scaled, compute only), "
+                 "int8 (compute only)")
 
 # The float8 compute dtype, and the dtype every op other than a matmul or a
 # convolution runs in under it.
@@ -231,9 +232,9 @@ class Policy:
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str) and (
-        self.compute_dtype in block_formats.FORMATS):
+        self.compute_dtype in block_formats.POLICY_FORMATS):
       object.__setattr__(self, "compute_dtype",
-                         block_formats.FORMATS[self.compute_dtype])
+                         block_formats.POLICY_FORMATS[self.compute_dtype])
     key = tuple(_as_float_dtype(getattr(self, field), field)
                 for field in ("param_dtype", "compute_dtype", "output_dtype"))
     # A block format's dtype is float8_e4m3fn: its name tells c=mxfp8 from
@@ -407,8 +408,8 @@ def cast_to_half(tree: T) -> T:
 def _parse_dtype(name: str, part: str, spec: str) -> Any:
   if name == "half":
     return half_dtype()
-  if name in block_formats.FORMATS:
-    return block_formats.FORMATS[name]
+  if name in block_formats.POLICY_FORMATS:
+    return block_formats.POLICY_FORMATS[name]
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
@@ -469,7 +470,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   else in bfloat16, and an unset output is bfloat16. `str` writes it `f8`.
   So are the block-scaled formats `mxfp8`, `mxfp4` and `nvfp4`: the matmuls
   float8 would take run with both operands quantized in blocks along the
-  contracting dimension.
+  contracting dimension; and `int8`: they run as int8 x int8 products
+  summed in int32 (`blocks.int8`).
 
   >>> str(get_policy("c=bf16"))
   'p=f32,c=bf16,o=bf16'

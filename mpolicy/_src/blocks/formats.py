@@ -87,6 +87,12 @@ FORMATS: dict[str, BlockFormat] = {
 }
 NAMES = tuple(FORMATS)
 
+INT8 = BlockFormat("int8", "int8", 0, 127.0, False)
+"""``c=int8``: not block-scaled (one scale per row or output channel, see
+`blocks.int8`), but it stands in a policy's compute dtype as they do."""
+POLICY_FORMATS: dict[str, BlockFormat] = {**FORMATS, "int8": INT8}
+"""The formats a policy's compute dtype may name."""
+
 
 def format_of(dtype: Any) -> Optional[str]:
   """The block format's name if ``dtype`` is a `BlockFormat`, else ``None``.

@@ -104,7 +104,7 @@ def matmul(lhs, rhs, dimension_numbers, out_dtype, *, weight: str = "rhs",
   return ((acc.astype(jnp.float32) * s_row) * s_col).astype(out_dtype)
 
 
-class Config(NamedTuple):
+class Int8Config(NamedTuple):
   """What `dot_general` needs besides its operands (static)."""
   dimension_numbers: Any
   out_dtype: Any
@@ -112,13 +112,13 @@ class Config(NamedTuple):
   backward: Callable[..., Any]  # ``(lhs, rhs) -> result``: its vjp is used.
 
 
-def _fwd(lhs, rhs, config: Config):
+def _fwd(lhs, rhs, config: Int8Config):
   out = matmul(lhs, rhs, config.dimension_numbers, config.out_dtype,
                weight=config.weight)
   return out, (lhs, rhs)
 
 
-def _bwd(config: Config, residuals, g):
+def _bwd(config: Int8Config, residuals, g):
   _, vjp = jax.vjp(config.backward, *residuals)
   return vjp(g.astype(config.out_dtype))
 
@@ -154,8 +154,8 @@ def dot_general(lhs, rhs, dimension_numbers, *, out_dtype=jnp.bfloat16,
   out_dtype = np.dtype(out_dtype)
   if backward is None:
     backward = functools.partial(_float32_dot, dimension_numbers, out_dtype)
-  return _straight_through(lhs, rhs, Config(dimension_numbers, out_dtype,
-                                            weight, backward))
+  config = Int8Config(dimension_numbers, out_dtype, weight, backward)
+  return _straight_through(lhs, rhs, config)
 
 
 def _float32_dot(dimension_numbers, out_dtype, lhs, rhs):
