@@ -111,8 +111,7 @@ def _grad_fn(rules):
   def loss(w1, w2, step):
     f = mpolicy.amp(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2,
                     "p=f32,c=nvfp4,o=f32", rules=rules)
-    with recipe.step_count(step):
-      return jnp.sum(f(x, w1, w2).astype(F32) ** 2)
+    return jnp.sum(f.at_step(step)(x, w1, w2).astype(F32) ** 2)
   w1 = jax.random.normal(jax.random.PRNGKey(1), (32, 32)) * 0.2
   w2 = jax.random.normal(jax.random.PRNGKey(2), (32, 16)) * 0.2
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -268,3 +267,25 @@ def test_each_microbatch_folds_its_index_into_the_keys(monkeypatch):
   jax.make_jaxpr(mpolicy.make_train_step(f, opt, microbatches=2))(
       w, opt.init(w), mpolicy.NoOpLossScale(), x)
   assert folded and set(folded) == {("int32",)}, folded
+
+
+def test_the_step_reaches_the_rules_as_an_argument():
+  # `f.at_step(step)` folds the step into the keys of f's block matmuls, a
+  # sub-jaxpr's included; `make_train_step` calls the amp-ed loss at the
+  # optimizer's count that way (here p - g: a schedule's count, scale -1).
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  f = mpolicy.amp(lambda p, x: jnp.sum(jax.checkpoint(
+      lambda w, x: jnp.tanh(x @ w))(p["w"], x) ** 2), "p=f32,c=nvfp4,o=f32")
+  grad = lambda fn: np.asarray(jax.jit(jax.grad(fn))(w, x)["w"])
+  at5 = grad(f.at_step(5))
+  np.testing.assert_array_equal(at5, jax.jit(lambda s: jax.grad(
+      f.at_step(s))(w, x)["w"])(jnp.int32(5)))
+  assert not np.array_equal(at5, grad(f.at_step(6)))
+  assert not np.array_equal(at5, grad(f))
+  opt = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                    optax.scale(-1.0))
+  step = jax.jit(mpolicy.make_train_step(f, opt))
+  state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
+  new = step(w, state, mpolicy.NoOpLossScale(), x).params["w"]
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(w["w"]) - at5)

@@ -547,7 +547,7 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   if fmt is not None:
     op.env.places[0] += 1
     key = recipe.op_key(options.seed, op.env.places[0] - 1,
-                        recipe.current_step(), recipe.current_iterations())
+                        op.env.step, recipe.current_iterations())
     return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
                               out_dtype=out_dtype,
                               lhs_param=op.env.is_param(lhs),
