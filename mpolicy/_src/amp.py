@@ -13,6 +13,7 @@ from collections.abc import Callable
 import contextlib
 import dataclasses
 import functools
+import inspect
 from typing import Any, Optional
 
 import jax
@@ -51,12 +52,27 @@ class _AtStep:
 
 
 def with_step(fn: Callable[..., Any], step: Any) -> Callable[..., Any]:
-  """``fn.at_step(step)`` if ``fn`` is an interpreted function itself (not
-  a wrapper that copied its attributes), else ``fn``."""
+  """``fn`` called at ``step``: ``fn.at_step(step)`` if ``fn`` is an
+  interpreted function itself (not a wrapper that copied its attributes);
+  ``fn`` with ``step=step`` if it has a keyword-only ``step`` parameter (a
+  loss that calls interpreted models, which passes it on with their
+  ``at_step``); else ``fn``."""
   at = getattr(fn, "at_step", None)
-  if step is None or not isinstance(at, _AtStep) or at.owner is not fn:
-    return fn
-  return at(step)
+  if isinstance(at, _AtStep) and at.owner is fn:
+    return fn if step is None else at(step)
+  if takes_step(fn):
+    return functools.partial(fn, step=step)
+  return fn
+
+
+def takes_step(fn: Callable[..., Any]) -> bool:
+  """Whether ``fn`` has a keyword-only parameter named ``step``."""
+  try:
+    parameter = inspect.signature(fn).parameters.get("step")
+  except (TypeError, ValueError):
+    return False
+  return (parameter is not None
+          and parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _is_array_leaf(x) -> bool:

@@ -222,6 +222,7 @@ class _State(threading.local):
   observers: tuple[Observer, ...] = ()
   open: tuple[Equation, ...] = ()
   runs: int = 0
+  unstepped: int = 0
   sites: Optional[dict[str, QuantizedOp]] = None
 
 
@@ -359,6 +360,18 @@ def shared(scopes: tuple[str, ...]) -> None:
 def count_run() -> None:
   """Notes that interpreted code was traced (see `interpreter_ran`)."""
   _state.runs += 1
+
+
+def drew_without_step() -> None:
+  """Notes that a block matmul drawing random numbers (stochastic rounding,
+  the Hadamard signs) was traced without a step count (see `unstepped`)."""
+  _state.unstepped += 1
+
+
+def unstepped() -> int:
+  """How many random block matmuls were traced without a step so far (this
+  thread): `make_train_step` warns when its loss traced one."""
+  return _state.unstepped
 
 
 def interpreter_ran() -> bool:

@@ -1,6 +1,8 @@
 """The NVFP4 recipe in the block matmul: stochastic rounding of gradients,
 the 16x16 Hadamard rotation of the weight gradient, and their keys."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,3 +291,38 @@ def test_the_step_reaches_the_rules_as_an_argument():
   state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
   new = step(w, state, mpolicy.NoOpLossScale(), x).params["w"]
   np.testing.assert_array_equal(np.asarray(new), np.asarray(w["w"]) - at5)
+
+
+def test_a_loss_calling_an_amp_ed_model_gets_the_step_or_a_warning():
+  # make_train_step gives a loss with a keyword-only `step` the optimizer's
+  # count, to pass on as `model.at_step(step)`; a loss without one, whose
+  # model draws random numbers, would repeat its draws: it warns.
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  model = mpolicy.amp(lambda p, x: jnp.tanh(x @ p["w"]), "p=f32,c=nvfp4,o=f32")
+  at5 = np.asarray(jax.jit(jax.grad(
+      lambda p: jnp.sum(model.at_step(5)(p, x) ** 2)))(w)["w"])
+  opt = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                    optax.scale(-1.0))
+  state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
+
+  def stepped(p, x, *, step):
+    return jnp.sum(model.at_step(step)(p, x) ** 2)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    new = jax.jit(mpolicy.make_train_step(stepped, opt))(
+        w, state, mpolicy.NoOpLossScale(), x).params["w"]
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(w["w"]) - at5)
+
+  unstepped = lambda p, x: jnp.sum(model(p, x) ** 2)
+  with pytest.warns(UserWarning, match=r"keyword-only `step` parameter"):
+    jax.jit(mpolicy.make_train_step(unstepped, opt))(
+        w, state, mpolicy.NoOpLossScale(), x)
+  # A model that draws nothing (mxfp8) needs no step: no warning.
+  plain = mpolicy.amp(lambda p, x: jnp.tanh(x @ p["w"]), "p=f32,c=mxfp8,o=f32")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.jit(mpolicy.make_train_step(
+        lambda p, x: jnp.sum(plain(p, x) ** 2), opt))(
+            w, state, mpolicy.NoOpLossScale(), x)

@@ -198,3 +198,10 @@ def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
 RECIPE_FORMATS = ("mxfp4", "nvfp4")
 """The formats the NVFP4 recipe's stochastic rounding and Hadamard
 rotation apply to (mxfp8 rounds to nearest and rotates nothing)."""
+
+
+def draws(fmt: formats.BlockFormat, options) -> bool:
+  """Whether a ``fmt`` matmul under ``options`` draws random numbers
+  (stochastic rounding or the Hadamard signs), so that its key matters."""
+  return fmt.name in RECIPE_FORMATS and (
+      options.stochastic_rounding or options.hadamard)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import observe
 from mpolicy._src.blocks import formats as block_formats
 from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
@@ -548,6 +549,8 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
     op.env.places[0] += 1
     key = recipe.op_key(options.seed, op.env.places[0] - 1,
                         op.env.step, recipe.current_iterations())
+    if op.env.step is None and block_matmul.draws(fmt, options):
+      observe.drew_without_step()
     return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
                               out_dtype=out_dtype,
                               lhs_param=op.env.is_param(lhs),

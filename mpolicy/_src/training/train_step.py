@@ -15,6 +15,7 @@ from mpolicy._src import amp
 from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
+from mpolicy._src import observe
 from mpolicy._src.training import accumulation
 from mpolicy._src.training import attribution
 from mpolicy._src.training import half_params
@@ -143,7 +144,12 @@ def make_train_step(
     loss_fn: `loss_fn(params, *args)` returns the loss (`(loss, aux)` with
       `has_aux`). With `has_state`, `loss_fn(params, model_state, *args)`
       returns `(loss, new_model_state)` (`((loss, aux), new_model_state)`
-      with `has_aux`).
+      with `has_aux`). The optimizer's step count reaches the keys of
+      block matmuls that draw random numbers (the NVFP4 recipe): an
+      `amp`-ed `loss_fn` is called as `loss_fn.at_step(count)`; a
+      `loss_fn` with a keyword-only `step` parameter gets `step=count`
+      (to call its models as `model.apply.at_step(step)`); any other
+      `loss_fn` whose models draw random numbers gets a warning.
     optimizer: any optax optimizer; it needs no `skip_nonfinite`.
     has_aux: whether `loss_fn` returns auxiliary outputs.
     has_state: whether the model has state not trained by gradients
@@ -152,8 +158,10 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`; `axis_name` names the data axes only.
-      `reduce_dtype` (float32 by default) passed without `axis_name` does
-      nothing and warns.
+      `reduce_dtype` (float32 by default) holds for the sums JAX's AD
+      places in the backward pass too (FSDP's reduce-scatter, see
+      `scaled_value_and_grad`); passed without `axis_name` it does nothing
+      and warns.
     average_state: with `has_state` and `axis_name`, average the floating
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
@@ -265,12 +273,36 @@ def make_train_step(
   def grad_at(step):
     """The gradient of ``loss_fn`` called at ``step`` (`amp.with_step`)."""
     stepped = amp.with_step(loss_fn, step)
-    return grad_fn if stepped is loss_fn else grad_for(stepped)
+    if stepped is not loss_fn:
+      return grad_for(stepped)
+    return grad_fn if step is None else _warning_if_unstepped(grad_fn)
 
   if not has_state:
     return _step(grad_at, optimizer)
   average_over = axis_name if average_state else None
   return _step_with_state(grad_at, optimizer, has_aux, average_over)
+
+
+def _warning_if_unstepped(grad_fn):
+  """``grad_fn``, warning where the loss it traces runs random block
+  matmuls (the NVFP4 recipe) that the step count does not reach: a loss
+  that calls an `amp`-ed model inside, without a ``step`` parameter."""
+
+  def run(*args, **kwargs):
+    before = observe.unstepped()
+    out = grad_fn(*args, **kwargs)
+    if observe.unstepped() > before:
+      warnings.warn(
+          "make_train_step: loss_fn calls an amp-ed function whose block "
+          "matmuls draw random numbers (stochastic rounding or the Hadamard "
+          "transform), but the step count does not reach them: they draw the "
+          "same numbers at every step. Give loss_fn a keyword-only `step` "
+          "parameter (def loss_fn(params, batch, *, step)) and call the model "
+          "as model.at_step(step)(...) (model.apply.at_step(step) for "
+          "transform_amp), or pass an amp-ed loss_fn.", stacklevel=3)
+    return out
+
+  return run
 
 
 def _warn_if_ignored(reduce_dtype, average_state, axis_name, has_state):
