@@ -296,7 +296,7 @@ def test_unknown_matmul_format_lists_the_allowed_ones():
     Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, "mxfp6")
   assert str(info.value) == (
       "Unknown Policy.matmul_format 'mxfp6': expected None (matmuls compute "
-      "in compute_dtype) or one of 'fp8', 'mxfp8', 'mxfp4', 'nvfp4'.")
+      "in compute_dtype) or one of 'fp8', 'mxfp8', 'mxfp4', 'nvfp4', 'int8'.")
 
 
 def test_a_format_needs_a_bfloat16_compute_dtype():

@@ -33,6 +33,10 @@ from mpolicy._src import regions
 AMP_ATTRIBUTE = "__mpolicy_amp__"
 """Set on every interpreted function: ``(policy, rules)``."""
 
+RUN_ATTRIBUTE = "__mpolicy_run__"
+"""Set on every interpreted function: ``run(env, *args, **kwargs)`` runs it
+once, traced, with ``env`` (an `environment.Env`) as its top environment."""
+
 
 class _AtStep:
   """An interpreted function's ``at_step``: ``f.at_step(step)`` is ``f``
@@ -214,9 +218,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   # Framework objects updated in place (Flax NNX) go in and out as state.
   objects = frameworks.ObjectArguments()
 
-  def run(static: _Static, arrays: list, step=None):
+  def run(static: _Static, arrays: list, step=None, env=None):
     return _run_call(fn, config, pol, cast_outputs, static, arrays, objects,
-                     step)
+                     step, env)
 
   # The eager cache. Called outside any transformation, the interpreted
   # program is compiled once per signature by this `jax.jit` rather than
@@ -236,16 +240,22 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   def interpreted(*args, **kwargs):
     return call(args, kwargs, None)
 
+  def run_in(env, *args, **kwargs):
+    with objects.outside((args, kwargs)) as (pure, finish):
+      return finish(run(*split_arguments((pure,), {}), None, env))
+
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
+  setattr(interpreted, RUN_ATTRIBUTE, run_in)
   interpreted.at_step = _AtStep(interpreted, call)  # type: ignore[attr-defined]
   return interpreted
 
 
 def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
               static: _Static, arrays: list,
-              objects: frameworks.ObjectArguments, step=None):
+              objects: frameworks.ObjectArguments, step=None, env=None):
   """One call of an interpreted ``fn``: trace, interpret, cast outputs;
-  ``step`` is folded into the block matmuls' keys (``None``: not).
+  ``step`` is folded into the block matmuls' keys (``None``: not); ``env``
+  is the top environment (a new `environment.Env` if ``None``).
 
   Returns ``(states, output)`` as `ObjectArguments.inside_done` makes
   them: the state of the framework objects among the arguments (Flax NNX)
@@ -275,7 +285,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   # values needs).
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
   observe.count_run()
-  env = environment.Env()
+  env = environment.Env() if env is None else env
   env.step = step
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,

@@ -151,11 +151,11 @@ class Quantization:
 
   Attributes:
     role: ``"lhs"``, ``"rhs"`` (forward operands) or ``"cotangent"``.
-    fmt: the format: a float8 dtype's name (``"float8_e4m3fn"``) or a block
-      format's (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``).
+    fmt: the format: a float8 dtype's name (``"float8_e4m3fn"``), a block
+      format's (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) or ``"int8"``.
     x: the values quantized (traced).
-    q, scale, fmax: float8: the quantized values, their scale
-      (``x ~= q * scale``) and the dtype's largest value.
+    q, scale, fmax: float8 and int8: the quantized values, their scale
+      (``x ~= q * scale``) and the largest value (448, 127).
     axis, two_d: block formats: the blocked axis; 16 x 16 tiles.
   """
   role: str

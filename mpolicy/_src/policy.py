@@ -53,12 +53,12 @@ _KEYS = {"p": "param", "params": "param",
          "o": "output", "output": "output"}
 
 _VALID_KEYS = "params|p, compute|c, output|o"
-# The quantized matmul formats a policy can name (`Policy.matmul_format`),
-# each with the names the grammar reads it by as a compute dtype; the first
-# is the one `str(policy)` writes.
+# The quantized matmul formats (`Policy.matmul_format`), each with the names
+# the grammar reads it by as a compute dtype; `str` writes the first.
 MATMUL_FORMATS: dict[str, tuple[str, ...]] = {
     "fp8": ("f8", "float8", "e4m3", "float8_e4m3fn"),
     **{name: (name,) for name in block_formats.NAMES},
+    "int8": ("int8",),
 }
 _FORMAT_OF_NAME = {name: fmt for fmt, names in MATMUL_FORMATS.items()
                    for name in (fmt, *names)}
@@ -68,9 +68,8 @@ FORMAT_COMPUTE = jnp.bfloat16
 # The float8 dtype `fp8` quantizes matmul operands to.
 FP8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
 
-_VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, "
-                 "f64|float64, "
-                 + ", ".join("|".join(names) for names in MATMUL_FORMATS.values())
+_VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, f64|"
+                 "float64, " + ", ".join("|".join(names) for names in MATMUL_FORMATS.values())
                  + " (quantized matmul formats, compute only)")
 
 
@@ -527,7 +526,9 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   `str` writes `f8`): matmuls and convolutions run in float8 with
   per-tensor scales; the block-scaled `mxfp8`, `mxfp4` and `nvfp4`: the
   matmuls float8 would take run with both operands quantized in blocks
-  along the contracting dimension. Everything else computes in bfloat16.
+  along the contracting dimension; `int8`: they run as int8 x int8
+  products summed in int32 (`blocks.int8`). Everything else computes in
+  bfloat16.
 
   >>> str(get_policy("c=bf16"))
   'p=f32,c=bf16,o=bf16'

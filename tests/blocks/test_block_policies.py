@@ -75,7 +75,7 @@ def test_unknown_name_lists_the_allowed_ones():
     mpolicy.get_policy("p=f32,c=mxfp6,o=bf16")
   message = str(info.value)
   assert "Unknown dtype 'mxfp6'" in message
-  assert ("f8|float8|e4m3|float8_e4m3fn, mxfp8, mxfp4, nvfp4 (quantized "
+  assert ("f8|float8|e4m3|float8_e4m3fn, mxfp8, mxfp4, nvfp4, int8 (quantized "
           "matmul formats, compute only)") in message
   assert "bf16|bfloat16" in message
 

@@ -77,7 +77,6 @@ FORMATS: dict[str, BlockFormat] = {
 }
 NAMES = tuple(FORMATS)
 
-
 def get_format(fmt: Any) -> BlockFormat:
   """The `BlockFormat` named ``fmt`` (a name or a `BlockFormat`)."""
   if isinstance(fmt, BlockFormat):

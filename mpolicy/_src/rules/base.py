@@ -40,6 +40,9 @@ class RuleEnv(Protocol):
   """``[n]``: the next block-format matmul's place (its random key)."""
   inserted: int
   """How many casts the environment has made (for `explain`)."""
+  int8: Any
+  """What an export tells the int8 matmuls (`int8_matmul.Weights`), else
+  ``None``."""
 
   def cast(self, x, dtype):
     """``x`` as ``dtype``, made at most once per (value, dtype)."""
