@@ -11,8 +11,8 @@ import pytest
 
 import mpolicy
 from mpolicy._src.blocks import recipe
-from mpolicy._src.rules import block_matmul
 from mpolicy._src.rules import matmul
+from mpolicy._src.rules import quantized_matmul
 from mpolicy._src.training import train_step
 
 F32 = jnp.float32
@@ -21,12 +21,13 @@ fq = mpolicy.fake_quantize
 
 
 def _config(fmt, sr, hadamard):
-  return block_matmul.BlockConfig(fmt, False, jnp.dtype(F32), jnp.dtype(F32),
-                                  jnp.dtype(F32), sr=sr, hadamard=hadamard)
+  return quantized_matmul.Spec(quantized_matmul.lookup(fmt), jnp.dtype(F32),
+                               jnp.dtype(F32), jnp.dtype(F32), sr=sr,
+                               hadamard=hadamard)
 
 
 def _grads(a, b, g, key, config):
-  _, vjp = jax.vjp(lambda a, b: block_matmul.blocked_mm(a, b, key, config),
+  _, vjp = jax.vjp(lambda a, b: quantized_matmul.matmul(a, b, key, config),
                    a, b)
   return vjp(g)
 

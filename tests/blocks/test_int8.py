@@ -2,8 +2,8 @@
 of their definition: per-channel and per-row scales over the contracting
 dimensions, ``s = amax * float32(1/127)``, round half to even, clip to
 +-127, exact int32 sums, ``(acc * s_row) * s_col`` rounded to bfloat16;
-NaN for a row or channel with a non-finite value; straight-through
-gradients."""
+NaN for a row or channel with a non-finite value (its straight-through
+gradients: tests/rules/test_quantized_matmul.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -127,26 +127,7 @@ def test_given_codes_are_used_instead_of_quantizing():
                                 np.asarray(b).view(np.uint16))
 
 
-def test_backward_is_the_given_functions_gradient():
-  x, w = _data()
-  dims = (((1,), (0,)), ((), ()))
-
-  def bf16(a, b):
-    return jax.lax.dot_general(
-        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims,
-        preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-  g = jnp.asarray(np.random.default_rng(1).standard_normal((16, 24)),
-                  jnp.bfloat16)
-  _, vjp = jax.vjp(lambda a, b: int8.dot_general(a, b, dims, backward=bf16),
-                   jnp.asarray(x), jnp.asarray(w))
-  _, ref = jax.vjp(bf16, jnp.asarray(x), jnp.asarray(w))
-  for got, want in zip(vjp(g), ref(g)):
-    assert got.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 def test_bad_weight_role_is_refused():
   with pytest.raises(ValueError, match="must be 'lhs' or 'rhs'"):
-    int8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)),
-                     (((1,), (0,)), ((), ())), weight="left")
+    int8.matmul(jnp.ones((2, 2)), jnp.ones((2, 2)),
+                (((1,), (0,)), ((), ())), jnp.float32, weight="left")

@@ -55,12 +55,17 @@ class BlockFormat:
     max_elem: the element grid's largest finite value (448 or 6).
     two_level: nvfp4's float8 block scales under a float32 tensor scale;
       False for MX's power-of-two (E8M0) scales.
+    recipe: whether the NVFP4 training recipe's stochastic rounding and
+      Hadamard rotation apply to its matmuls (mxfp8 rounds to nearest).
+    native: whether cuDNN's block-scaled dot takes it (`blocks.native`).
   """
   name: str
   element_name: str
   block_size: int
   max_elem: float
   two_level: bool
+  recipe: bool = False
+  native: bool = False
 
   @property
   def element_dtype(self) -> np.dtype:
@@ -71,9 +76,12 @@ class BlockFormat:
 
 
 FORMATS: dict[str, BlockFormat] = {
-    "mxfp8": BlockFormat("mxfp8", "float8_e4m3fn", 32, 448.0, False),
-    "mxfp4": BlockFormat("mxfp4", "float4_e2m1fn", 32, 6.0, False),
-    "nvfp4": BlockFormat("nvfp4", "float4_e2m1fn", 16, 6.0, True),
+    "mxfp8": BlockFormat("mxfp8", "float8_e4m3fn", 32, 448.0, False,
+                         native=True),
+    "mxfp4": BlockFormat("mxfp4", "float4_e2m1fn", 32, 6.0, False,
+                         recipe=True),
+    "nvfp4": BlockFormat("nvfp4", "float4_e2m1fn", 16, 6.0, True,
+                         recipe=True, native=True),
 }
 NAMES = tuple(FORMATS)
 

@@ -13,9 +13,8 @@ summed exactly in int32 and rescaled, ``(float32(acc) * s_row) * s_col``,
 channel holding a non-finite value gets a NaN scale, so its outputs are
 NaN, never a clipped number.
 
-`dot_general` is differentiable: its backward pass is straight-through,
-the gradients of the unquantized matmul, computed by a function the caller
-gives (the rules give the bfloat16 matmul's).
+The rules' int8 matmul (`rules.quantized_matmul`) is differentiable: its
+backward pass is straight-through, the bfloat16 matmul's gradients.
 
 >>> import jax.numpy as jnp
 >>> q, s = quantize(jnp.array([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]), (1,))
@@ -25,10 +24,6 @@ gives (the rules give the bfloat16 matmul's).
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, NamedTuple, Optional
-
-import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +86,9 @@ def matmul(lhs, rhs, dimension_numbers, out_dtype, *, weight: str = "rhs",
   Returns:
     ``dot_general``'s result in ``out_dtype``.
   """
+  if weight not in ("lhs", "rhs"):
+    raise ValueError(f"int8.matmul(weight={weight!r}): must be 'lhs' or "
+                     "'rhs', the operand quantized per output channel")
   (lc, rc), (lb, rb) = dimension_numbers
   ql, sl = quantize(lhs, lc) if lhs_given is None else lhs_given
   qr, sr = quantize(rhs, rc) if rhs_given is None else rhs_given
@@ -102,63 +100,3 @@ def matmul(lhs, rhs, dimension_numbers, out_dtype, *, weight: str = "rhs",
   s_rhs = _to_result(sr, rc, rb, nlf, 0)
   s_row, s_col = (s_rhs, s_lhs) if weight == "lhs" else (s_lhs, s_rhs)
   return ((acc.astype(jnp.float32) * s_row) * s_col).astype(out_dtype)
-
-
-class Int8Config(NamedTuple):
-  """What `dot_general` needs besides its operands (static)."""
-  dimension_numbers: Any
-  out_dtype: Any
-  weight: str
-  backward: Callable[..., Any]  # ``(lhs, rhs) -> result``: its vjp is used.
-
-
-def _fwd(lhs, rhs, config: Int8Config):
-  out = matmul(lhs, rhs, config.dimension_numbers, config.out_dtype,
-               weight=config.weight)
-  return out, (lhs, rhs)
-
-
-def _bwd(config: Int8Config, residuals, g):
-  _, vjp = jax.vjp(config.backward, *residuals)
-  return vjp(g.astype(config.out_dtype))
-
-
-_straight_through = jax.custom_vjp(
-    lambda lhs, rhs, config: _fwd(lhs, rhs, config)[0], nondiff_argnums=(2,))
-_straight_through.defvjp(_fwd, _bwd)
-
-
-def dot_general(lhs, rhs, dimension_numbers, *, out_dtype=jnp.bfloat16,
-                weight: str = "rhs",
-                backward: Optional[Callable[..., Any]] = None):
-  """`jax.lax.dot_general` in int8 (module doc), straight-through backward.
-
-  >>> import jax, jax.numpy as jnp
-  >>> x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
-  >>> w = jax.random.normal(jax.random.PRNGKey(1), (64, 16))
-  >>> y = dot_general(x, w, (((1,), (0,)), ((), ())))
-  >>> y.dtype, bool(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w) < 0.02)
-  (dtype(bfloat16), True)
-
-  Args:
-    lhs, rhs: floating operands (float32 parameters as they are).
-    dimension_numbers: as for `jax.lax.dot_general`.
-    out_dtype: the result's dtype.
-    weight: the weight operand, ``"lhs"`` or ``"rhs"`` (see `matmul`).
-    backward: ``(lhs, rhs) -> result`` whose gradients are the backward
-      pass's; ``None``: the float32 product.
-  """
-  if weight not in ("lhs", "rhs"):
-    raise ValueError(f"int8.dot_general(weight={weight!r}): must be 'lhs' "
-                     "or 'rhs', the operand quantized per output channel")
-  out_dtype = np.dtype(out_dtype)
-  if backward is None:
-    backward = functools.partial(_float32_dot, dimension_numbers, out_dtype)
-  config = Int8Config(dimension_numbers, out_dtype, weight, backward)
-  return _straight_through(lhs, rhs, config)
-
-
-def _float32_dot(dimension_numbers, out_dtype, lhs, rhs):
-  return lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
-                         dimension_numbers,
-                         preferred_element_type=jnp.float32).astype(out_dtype)

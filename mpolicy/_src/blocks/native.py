@@ -27,9 +27,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from mpolicy._src.blocks import formats
 from mpolicy._src.blocks import quantize
-
-NATIVE_FORMATS = ("mxfp8", "nvfp4")
 
 
 def jax_has_it() -> bool:
@@ -47,11 +46,12 @@ def device_supports() -> bool:
   return int(str(capability).split(".")[0]) >= 10
 
 
-def usable(fmt: str, k: int, block_size: int) -> bool:
-  """Whether a block matmul of format ``fmt`` contracting over ``k`` asks
-  for the native dot (on CUDA; other backends emulate it anyway)."""
-  return (fmt in NATIVE_FORMATS and k % block_size == 0 and jax_has_it()
-          and device_supports())
+def usable(fmt, k: int, block_size: int) -> bool:
+  """Whether a block matmul of format ``fmt`` (a name or a `BlockFormat`)
+  contracting over ``k`` asks for the native dot (on CUDA; other backends
+  emulate it anyway)."""
+  return (formats.get_format(fmt).native and k % block_size == 0
+          and jax_has_it() and device_supports())
 
 
 def _row_scales(q, k_axis: int, block: int) -> jax.Array:
@@ -100,7 +100,7 @@ def matmul(qa, qb, batched: bool) -> jax.Array:
   """``qa . qb`` (as `native_matmul` takes them), float32: on CUDA the
   native dot where `usable`, else (and on every other backend) emulated."""
   emulate = lambda qa, qb: emulated_matmul(qa, qb, batched)
-  if not usable(qa.fmt.name, qa.elements.shape[-1], qa.fmt.block_size):
+  if not usable(qa.fmt, qa.elements.shape[-1], qa.fmt.block_size):
     return emulate(qa, qb)
   return lax.platform_dependent(
       qa, qb, cuda=lambda qa, qb: native_matmul(qa, qb, batched),

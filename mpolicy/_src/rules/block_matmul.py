@@ -21,22 +21,20 @@ transform before they are quantized (``hadamard``), its randomness from
 the ``key`` operand (`blocks.recipe`).
 
 >>> import jax, jax.numpy as jnp
+>>> from mpolicy._src.rules import quantized_matmul as qm
 >>> a = jax.random.normal(jax.random.PRNGKey(0), (4, 64))
 >>> b = jax.random.normal(jax.random.PRNGKey(1), (64, 8))
->>> config = BlockConfig("mxfp8", False, jnp.bfloat16, jnp.float32, jnp.float32)
->>> y = blocked_mm(a, b, jax.random.PRNGKey(0), config)
+>>> spec = qm.Spec(qm.lookup("mxfp8"), jnp.bfloat16, jnp.float32, jnp.float32)
+>>> y = qm.matmul(a, b, jax.random.PRNGKey(0), spec)
 >>> y.dtype, bool(jnp.allclose(y, a @ b, rtol=0.1, atol=0.5))
 (dtype(bfloat16), True)
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
-
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from mpolicy._src import observe
 from mpolicy._src.blocks import formats
@@ -55,92 +53,66 @@ REASON = {
 }
 
 
-def format_of_op(op) -> Optional[formats.BlockFormat]:
-  """The block format the policy governing ``op`` names, else ``None``."""
-  return formats.FORMATS.get(op.matmul_format)
-
-
 def reason(fmt: formats.BlockFormat, options=None) -> str:
   """`explain`'s reason for a block-scaled matmul."""
   text = (f"{REASON[fmt.name]}, float32 accumulation; backward operands "
           f"quantized to {fmt.name} along their own contracting dimension")
-  if fmt.name in RECIPE_FORMATS and options is not None:
+  if fmt.recipe and options is not None:
     parts = [name for name, on in (
         ("stochastic rounding of gradients", options.stochastic_rounding),
         ("16x16 Hadamard on the weight gradient", options.hadamard)) if on]
     if parts:
       text += f" ({', '.join(parts)}; seed {options.seed})"
-  if native.usable(fmt.name, 0, fmt.block_size):
+  if native.usable(fmt, 0, fmt.block_size):
     return text + ("; the native block-scaled dot (jax.nn.scaled_matmul) on "
                    "CUDA where the contraction is whole blocks, else emulated")
   return text + "; emulated"
 
 
-class BlockConfig(NamedTuple):
-  """What `blocked_mm` needs besides its operands (hashable: static)."""
-  fmt: str
-  batched: bool
-  out_dtype: Any
-  lhs_dtype: Any
-  rhs_dtype: Any
-  lhs_tiles: bool = False  # nvfp4: 16 x 16 tiles (the operand is a weight).
-  rhs_tiles: bool = False
-  sr: bool = False  # Stochastic rounding of the cotangent.
-  hadamard: bool = False  # Random Hadamard rotation of the wgrad operands.
-  label: Optional[str] = None  # `observe.quantization_site`'s.
-
-
-def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
-        y_tiles: bool = False, x_key=None, y_key=None, roles=(None, None)):
+def _mm(x, y, spec, x_tiles: bool = False, y_tiles: bool = False,
+        x_key=None, y_key=None, roles=(None, None)):
   """``[B,] M, K`` x ``[B,] K, N`` of the operands quantized along K
   (``x_key``/``y_key``: stochastic rounding), float32: emulated, or on CUDA
   the native block-scaled dot of the same quantized operands. ``roles``:
   what each operand is told to observers as (``None``: not told)."""
+  fmt = spec.fmt.block
   for role, v, axis, tiles in ((roles[0], x, -1, x_tiles),
                                (roles[1], y, -2, y_tiles)):
     if role is not None:
-      observe.quantized(config.label, observe.Quantization(
-          role, config.fmt, v, axis=axis, two_d=tiles))
-  qx = quantize.quantize_blocks(x, config.fmt, -1, two_d=x_tiles, key=x_key)
-  qy = quantize.quantize_blocks(y, config.fmt, -2, two_d=y_tiles, key=y_key)
-  return native.matmul(qx, qy, config.batched)
+      observe.quantized(spec.label, observe.Quantization(
+          role, fmt.name, v, axis=axis, two_d=tiles))
+  qx = quantize.quantize_blocks(x, fmt, -1, two_d=x_tiles, key=x_key)
+  qy = quantize.quantize_blocks(y, fmt, -2, two_d=y_tiles, key=y_key)
+  return native.matmul(qx, qy, spec.batched)
 
 
 def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _fwd(a, b, key, config: BlockConfig):
-  out = _mm(a, b, config, config.lhs_tiles, config.rhs_tiles,
-            roles=("lhs", "rhs"))
-  return out.astype(config.out_dtype), (a, b, key)
+def forward(a, b, key, spec):
+  """The forward product of a `quantized_matmul.Spec` of a block format,
+  and what the backward pass keeps: the unquantized operands and key."""
+  out = _mm(a, b, spec, spec.lhs_tiles, spec.rhs_tiles, roles=("lhs", "rhs"))
+  return out.astype(spec.out_dtype), (a, b, key)
 
 
-def _bwd(config: BlockConfig, residuals, g):
+def backward(spec, residuals, g):
+  """The operands' cotangents (module doc)."""
   a, b, key = residuals
   g = g.astype(jnp.float32)
   k_dgrad, k_wgrad, k_rotate = jax.random.split(key, 3)
-  sr = (lambda k: k) if config.sr else (lambda k: None)
+  sr = (lambda k: k) if spec.sr else (lambda k: None)
   # d lhs [B, M, K] = g [B, M, N] . rhs^T [B, N, K] over N.
-  da = _mm(g, _t(b), config, False, config.rhs_tiles, x_key=sr(k_dgrad),
+  da = _mm(g, _t(b), spec, False, spec.rhs_tiles, x_key=sr(k_dgrad),
            roles=("cotangent", None))
   # d rhs [B, K, N] = lhs^T [B, K, M] . g [B, M, N] over M.
-  if config.hadamard:
+  if spec.hadamard:
     a = recipe.hadamard_rotate(a, -2, k_rotate)
     g = recipe.hadamard_rotate(g, -2, k_rotate)
-  db = _mm(_t(a), g, config, config.lhs_tiles, False, y_key=sr(k_wgrad),
+  db = _mm(_t(a), g, spec, spec.lhs_tiles, False, y_key=sr(k_wgrad),
            roles=(None, "cotangent"))
-  return da.astype(config.lhs_dtype), db.astype(config.rhs_dtype), None
-
-
-blocked_mm = jax.custom_vjp(lambda a, b, key, config: _fwd(a, b, key,
-                                                           config)[0],
-                            nondiff_argnums=(3,))
-blocked_mm.__doc__ = ("``[B,] M, K`` x ``[B,] K, N`` in a block format "
-                      "(module doc), differentiable in reverse mode; ``key`` "
-                      "(a raw ``uint32[2]`` key) drives the recipe's "
-                      "randomness.")
-blocked_mm.defvjp(_fwd, _bwd)
+  return da.astype(spec.lhs_dtype), db.astype(spec.rhs_dtype)
 
 
 def along_one_dimension(lhs, rhs, dimension_numbers, size: int):
@@ -172,32 +144,23 @@ def _pad_axis(x, axis: int, pad: int):
   return jnp.pad(x, widths)
 
 
-def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
-               lhs_param: bool, rhs_param: bool, options=None,
-               label: Optional[str] = None) -> BlockConfig:
-  """The `BlockConfig` of a matmul of ``lhs`` and ``rhs`` (either a
-  parameter: nvfp4 tiles it unless ``options.weight_tiles`` is off).
-  ``options`` (an `Fp8Options`; ``None``: the defaults) turns the recipe's
-  parts on and off; they apply to the 4-bit formats only."""
+def recipe_parts(fmt: formats.BlockFormat, lhs_param: bool,
+                 rhs_param: bool, options=None) -> dict:
+  """``lhs_tiles``, ``rhs_tiles``, ``sr`` and ``hadamard`` of a ``fmt``
+  matmul (either operand a parameter: nvfp4 tiles it unless
+  ``options.weight_tiles`` is off). ``options`` (an `Fp8Options`;
+  ``None``: the defaults) turns the recipe's parts on and off; they apply
+  to the formats that take the recipe only."""
   sr, hadamard, tiles = True, True, True
   if options is not None:
     sr, hadamard = options.stochastic_rounding, options.hadamard
     tiles = options.weight_tiles
-  recipe_fmt = fmt.name in RECIPE_FORMATS
   tiles = tiles and fmt.two_level
-  return BlockConfig(fmt.name, batched, np.dtype(out_dtype),
-                     np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                     tiles and lhs_param, tiles and rhs_param,
-                     sr and recipe_fmt, hadamard and recipe_fmt, label=label)
-
-
-RECIPE_FORMATS = ("mxfp4", "nvfp4")
-"""The formats the NVFP4 recipe's stochastic rounding and Hadamard
-rotation apply to (mxfp8 rounds to nearest and rotates nothing)."""
+  return dict(lhs_tiles=tiles and lhs_param, rhs_tiles=tiles and rhs_param,
+              sr=sr and fmt.recipe, hadamard=hadamard and fmt.recipe)
 
 
 def draws(fmt: formats.BlockFormat, options) -> bool:
   """Whether a ``fmt`` matmul under ``options`` draws random numbers
   (stochastic rounding or the Hadamard signs), so that its key matters."""
-  return fmt.name in RECIPE_FORMATS and (
-      options.stochastic_rounding or options.hadamard)
+  return fmt.recipe and (options.stochastic_rounding or options.hadamard)

@@ -179,7 +179,7 @@ def low_precision_name(op) -> str:
 
 
 def declines(op, options: Fp8Options, dims: tuple[int, ...],
-             operands) -> bool:
+             operands, name: Optional[str] = None) -> bool:
   """Whether ``op`` stays out of float8; if so, says why in ``op.note``.
 
   Args:
@@ -187,8 +187,9 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
     options: the table's `Fp8Options`.
     dims: the product's sizes, e.g. ``(M, K, N)`` or ``(B, M, K, N)``.
     operands: the op's operands as the rule received them.
+    name: what the low precision is called (``None``: `low_precision_name`).
   """
-  dtype = low_precision_name(op)
+  dtype = low_precision_name(op) if name is None else name
   env = op.env
   if options.matmuls == "weights" and not any(
       env.is_param(a) or env.is_param(env.wider_source(a)) for a in operands):
@@ -210,7 +211,8 @@ def declines(op, options: Fp8Options, dims: tuple[int, ...],
   return False
 
 
-def admit(op, what: str, dims: tuple[int, ...], reason: str):
+def admit(op, what: str, dims: tuple[int, ...], reason: str,
+          name: Optional[str] = None):
   """The float8 rule's common part: whether ``op`` runs in float8 and, if
   so, its operands, result dtype and probe label.
 
@@ -222,14 +224,15 @@ def admit(op, what: str, dims: tuple[int, ...], reason: str):
   parameter's gradient then comes back in float32; only float8 copies are
   saved), the result dtype, and the label its quantizations tell the
   observers by (`observe.quantization_site`; ``None``
-  outside a probe).
+  outside a probe). ``name``: what the op runs in (``None``:
+  `low_precision_name`).
   """
-  dtype = low_precision_name(op)
+  dtype = low_precision_name(op) if name is None else name
   if jax_compat.out_sharding(op.eqn) is not None:
     op.note = (f", not {dtype}: the {what} names an out_sharding, which the "
                f"float8 {what} does not carry")
     return None
-  if declines(op, op.rules.fp8, dims, op.args):
+  if declines(op, op.rules.fp8, dims, op.args, dtype):
     return None
   warn_unused(op.rules.fp8, dtype)
   op.rule, op.ran_in = facts.LOWER, dtype

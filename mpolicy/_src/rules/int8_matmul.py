@@ -1,7 +1,8 @@
 """The int8 matmul's rule under ``c=int8``, and what an export tells it.
 
 The matmuls the float8 placement admits (`fp8_placement.admit`: weight
-matmuls above the size threshold) run as `blocks.int8.dot_general`: each
+matmuls above the size threshold) run as `blocks.int8.matmul` (the
+``int8`` value of `quantized_matmul`): each
 operand read as the program gives it (a float32 parameter as float32),
 quantized to int8 along its contracting dimensions, multiplied exactly in
 int32, rescaled and rounded to the result dtype (bfloat16); the backward
@@ -19,15 +20,12 @@ gives the rule int8 codes and scales to use instead of quantizing a value
 from __future__ import annotations
 
 import collections
-import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 import warnings
 
-from mpolicy._src import jax_compat
 from mpolicy._src import observe
 from mpolicy._src.blocks import int8
 from mpolicy._src.rules import base
-from mpolicy._src.rules import fp8_placement
 
 REASON = ("int8 operands, the weight scaled per output channel and the "
           "other per row (amax/127 at each call, round half to even), "
@@ -94,43 +92,32 @@ def decline(op: base.Op, why: str) -> None:
   return None
 
 
-def lower(op: base.Op, sizes: tuple[int, ...],
-          bf16_dot: Callable[..., Any]) -> Optional[list]:
-  """The int8 matmul of ``op`` where the placement admits it, else
-  ``None`` (it runs as under bfloat16). ``sizes``: its ``(B,) M, K, N``;
-  ``bf16_dot(lhs, rhs, *, dimension_numbers, precision, out_dtype)``: the
-  backward pass's matmul."""
-  order = jax_compat.reduction_order(op.eqn)
-  if order is not None:
-    return decline(op, f"names reduction_order={order!r}, which int8's exact "
-                   "int32 sums have no use for; it runs in bfloat16, its "
-                   "order kept")
-  dims, precision = jax_compat.dot_params(op.eqn)
-  admitted = fp8_placement.admit(op, "dot", sizes, REASON)
-  if admitted is None:
-    return None
-  lhs, rhs, out_dtype, label = admitted
-  env = op.env
-  weight = "lhs" if env.is_param(lhs) and not env.is_param(rhs) else "rhs"
+def keep_order(op: base.Op, order) -> None:
+  """A dot naming a reduction order runs as under bfloat16, saying so."""
+  return decline(op, f"names reduction_order={order!r}, which int8's exact "
+                 "int32 sums have no use for; it runs in bfloat16, its "
+                 "order kept")
+
+
+def given(op: base.Op, lhs, rhs, dims, label):
+  """What an export (`Env.int8`) learns from and gives an admitted int8
+  matmul of ``lhs`` and ``rhs`` (the widest values of its operands): each
+  read is recorded; the operands stored in int8 come back as ``(q, s)``
+  pairs, ``(lhs's or None, rhs's or None)``, else ``None``. The observers
+  are told both quantizations."""
   (lc, rc), _ = dims
-  hook: Optional[Weights] = getattr(env, "int8", None)
-  given = [None, None]
+  hook: Optional[Weights] = getattr(op.env, "int8", None)
+  stored = [None, None]
   if hook is not None:
     for i, (read, source, axes) in enumerate(((op.args[0], lhs, tuple(lc)),
                                               (op.args[1], rhs, tuple(rc)))):
       hook.record(read, source, axes)
-      stored = hook.given.get(id(source))
-      if stored is not None and stored[2] == axes:
-        given[i] = stored[:2]
+      kept = hook.given.get(id(source))
+      if kept is not None and kept[2] == axes:
+        stored[i] = kept[:2]
   for role, x, axes in (("lhs", lhs, lc), ("rhs", rhs, rc)):
     if label is not None:
       q, s = int8.quantize(x, tuple(axes))
       observe.quantized(label, observe.Quantization(
           role, int8.NAME, x, q=q, scale=s, fmax=float(int8.QMAX)))
-  if given != [None, None]:  # A served program: no gradient.
-    return [int8.matmul(lhs, rhs, dims, out_dtype, weight=weight,
-                        lhs_given=given[0], rhs_given=given[1])]
-  backward = functools.partial(bf16_dot, dimension_numbers=dims,
-                               precision=precision, out_dtype=out_dtype)
-  return [int8.dot_general(lhs, rhs, dims, out_dtype=out_dtype,
-                           weight=weight, backward=backward)]
+  return None if stored == [None, None] else tuple(stored)

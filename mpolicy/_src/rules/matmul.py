@@ -38,74 +38,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
-from mpolicy._src import observe
 from mpolicy._src.blocks import formats as block_formats
-from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import base
-from mpolicy._src.rules import block_matmul
 from mpolicy._src.rules import collectives
 from mpolicy._src.rules import facts
-from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
-from mpolicy._src.rules import fp8_scaling
-from mpolicy._src.rules import int8_matmul
+from mpolicy._src.rules import quantized_matmul
+from mpolicy._src.rules.quantized_matmul import canonical_form
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
 
 _cast = amp_primitive.cast
-
-# --- One canonical form -------------------------------------------------------
-
-
-def _order(ndim, batch, first, second) -> tuple[list[int], bool]:
-  """Dims as batch + first + second, unless batch + second + first is
-  already the identity (then no transpose is needed). The flag says whether
-  ``first`` comes first."""
-  swapped = [*batch, *second, *first]
-  if swapped == list(range(ndim)):
-    return swapped, False
-  return [*batch, *first, *second], True
-
-
-def _permute(x, perm):
-  return x if list(perm) == list(range(x.ndim)) else lax.transpose(x, perm)
-
-
-def canonical_form(lhs, rhs, dimension_numbers, *, lhs_mk=False, rhs_kn=False):
-  """``dot_general``'s operands as one (batched) matrix product.
-
-  Batch, free and contracting dimensions are each merged into one by
-  reshapes, transposing only where a group is not already contiguous, so
-  the product is ``[B, M, K] x [B, K, N]`` (or with ``[K, M]``/``[N, K]``
-  operands where that needs no transpose). ``lhs_mk`` and ``rhs_kn`` force
-  the ``[B, M, K]`` and ``[B, K, N]`` layouts.
-
-  Returns:
-    ``(a, b, dims, out_shape)``: the operands, the dimension numbers of
-    their product, and the shape of the original ``dot_general``'s result
-    (the product's reshapes to it).
-  """
-  (lc, rc), (lb, rb) = dimension_numbers
-  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-  batch = [lhs.shape[d] for d in lb]
-  lead = [math.prod(batch)] if lb else []
-  m = math.prod(lhs.shape[d] for d in lf)
-  k = math.prod(lhs.shape[d] for d in lc)
-  n = math.prod(rhs.shape[d] for d in rf)
-  lperm, mk = (([*lb, *lf, *lc], True) if lhs_mk
-               else _order(lhs.ndim, lb, lf, lc))
-  rperm, kn = (([*rb, *rc, *rf], True) if rhs_kn
-               else _order(rhs.ndim, rb, rc, rf))
-  a = _permute(lhs, lperm).reshape(lead + ([m, k] if mk else [k, m]))
-  b = _permute(rhs, rperm).reshape(lead + ([k, n] if kn else [n, k]))
-  nb = len(lead)
-  dims = (((nb + (1 if mk else 0),), (nb + (0 if kn else 1),)),
-          (tuple(range(nb)), tuple(range(nb))))
-  out_shape = batch + [lhs.shape[d] for d in lf] + [rhs.shape[d] for d in rf]
-  return a, b, dims, out_shape
-
 
 # --- amp_dot_general ----------------------------------------------------------
 
@@ -309,84 +253,7 @@ amp_primitive.define(
 jax_compat.define_remat_view(amp_dot_general_p, _as_dot_general)
 
 
-# --- The float8 matmul --------------------------------------------------------
-
-
-class _Fp8Config(NamedTuple):
-  batched: bool
-  out_dtype: np.dtype
-  lhs_dtype: np.dtype
-  rhs_dtype: np.dtype
-  per_tensor: bool = False
-  lhs_mesh: tuple = ()  # `shard_map` axes the lhs scales are shared over.
-  rhs_mesh: tuple = ()
-  label: Optional[str] = None  # `observe.quantization_site`'s.
-
-  def observe(self, role: str):
-    return None if self.label is None else (self.label, role)
-
-
-def _mm(a, b, batched):
-  """``[B,] M, K`` x ``[B,] K, N`` -> float32 ``[B,] M, N``."""
-  nb = 1 if batched else 0
-  dims = (((nb + 1,), (nb,)), ((0,), (0,)) if batched else ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _scaled_mm_fwd(a, b, config: _Fp8Config):
-  # Per row: the left operand gets one scale per row (rows are free
-  # dimensions, so their scales factor out of the sum) and the right one
-  # per batch element. Per tensor: one scale each.
-  nb = 1 if config.batched else 0
-  per_batch = (nb, nb + 1) if nb else None
-  aq, sa = fp8_scaling.quantize(
-      a, fp8_scaling.FORWARD_DTYPE, axes=None if config.per_tensor else -1,
-      mesh_axes=config.lhs_mesh, observe=config.observe("lhs"))
-  bq, sb = fp8_scaling.quantize(
-      b, fp8_scaling.FORWARD_DTYPE,
-      axes=None if config.per_tensor else per_batch, mesh_axes=config.rhs_mesh,
-      observe=config.observe("rhs"))
-  out = fp8_scaling.rescale(_mm(aq, bq, config.batched), (sa, sb),
-                            config.out_dtype)
-  return out, (aq, sa, bq, sb)
-
-
-def _scaled_mm_bwd(config: _Fp8Config, residuals, g):
-  aq, sa, bq, sb = residuals
-  nb = 1 if config.batched else 0
-  per_batch = None if config.per_tensor or not nb else (nb, nb + 1)
-  mesh = fp8_mesh.cotangent_axes(g, config.per_tensor, config.batched)
-  gq, sg = fp8_scaling.quantize(g, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
-                                mesh_axes=mesh,
-                                observe=config.observe("cotangent"))
-  batch = ((0,), (0,)) if config.batched else ((), ())
-  # Each result takes its operand's layout, and under explicit sharding its
-  # sharding too (the weight gradient contracts a sharded batch).
-  # d lhs [B,M,K] = g [B,M,N] . rhs [B,K,N] over N.
-  da = lax.dot_general(gq, bq, (((nb + 1,), (nb + 1,)), batch),
-                       preferred_element_type=jnp.float32,
-                       out_sharding=amp_primitive.explicit_sharding(aq))
-  if config.per_tensor:
-    # One lhs scale: it factors out of the weight gradient's sum too.
-    hq, sh = gq, (sa, sg)  # type: tuple[Any, tuple]
-  else:
-    # d rhs [B,K,N] = lhs [B,M,K] . g [B,M,N] over M. The rows' scales sit
-    # inside this sum, so they are folded into the cotangent first.
-    h = g.astype(jnp.float32) * sa
-    hq, s = fp8_scaling.quantize(h, fp8_scaling.BACKWARD_DTYPE, axes=per_batch,
-                                 mesh_axes=fp8_mesh.cotangent_axes(
-                                     h, False, config.batched))
-    sh = (s,)
-  db = lax.dot_general(aq, hq, (((nb,), (nb,)), batch),
-                       preferred_element_type=jnp.float32,
-                       out_sharding=amp_primitive.explicit_sharding(bq))
-  return (fp8_scaling.rescale(da, (sg, sb), config.lhs_dtype),
-          fp8_scaling.rescale(db, sh, config.rhs_dtype))
-
-
-_scaled_mm = jax.custom_vjp(
-    lambda a, b, config: _scaled_mm_fwd(a, b, config)[0], nondiff_argnums=(2,))
-_scaled_mm.defvjp(_scaled_mm_fwd, _scaled_mm_bwd)
+# --- The quantized matmuls ---------------------------------------------------
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *,
@@ -428,17 +295,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *,
   if scaling not in fp8_placement.SCALINGS:
     raise ValueError(f"fp8_dot_general(scaling={scaling!r}): must be one of "
                      f"{fp8_placement.SCALINGS}")
-  out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
-               else np.dtype(out_dtype))
-  a, b, _, out_shape = canonical_form(lhs, rhs, dimension_numbers,
-                                      lhs_mk=True, rhs_kn=True)
-  _, (lb, _) = dimension_numbers
-  per_tensor = scaling == "per_tensor"
-  config = _Fp8Config(bool(lb), out_dtype, np.dtype(lhs.dtype),
-                      np.dtype(rhs.dtype), per_tensor,
-                      *fp8_mesh.scale_axes(a, b, per_tensor, bool(lb),
-                                           contraction_axes), label)
-  return _scaled_mm(a, b, config).reshape(out_shape)
+  return quantized_matmul.quantized_dot_general(
+      lhs, rhs, dimension_numbers, quantized_matmul.lookup("fp8", scaling),
+      out_dtype=out_dtype, contraction_axes=contraction_axes, label=label)
 
 
 def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
@@ -465,17 +324,11 @@ def block_dot_general(lhs, rhs, dimension_numbers, fmt, *,
   >>> y.dtype, bool(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w) < 0.2)
   (dtype(bfloat16), True)
   """
-  fmt = block_formats.get_format(fmt)
-  out_dtype = (fp8_scaling.DEFAULT_OUT_DTYPE if out_dtype is None
-               else np.dtype(out_dtype))
-  a, b, blocked = block_matmul.along_one_dimension(lhs, rhs, dimension_numbers,
-                                                   fmt.block_size)
-  a, b, _, out_shape = canonical_form(a, b, blocked, lhs_mk=True, rhs_kn=True)
-  _, (lb, _) = dimension_numbers
-  config = block_matmul.config_for(fmt, lhs, rhs, bool(lb), out_dtype,
-                                   lhs_param, rhs_param, options, label)
-  key = jax.random.PRNGKey(0) if key is None else key
-  return block_matmul.blocked_mm(a, b, key, config).reshape(out_shape)
+  return quantized_matmul.quantized_dot_general(
+      lhs, rhs, dimension_numbers,
+      quantized_matmul.lookup(block_formats.get_format(fmt).name),
+      out_dtype=out_dtype, key=key, options=options, lhs_param=lhs_param,
+      rhs_param=rhs_param, label=label)
 
 
 # --- The rules ----------------------------------------------------------------
@@ -510,11 +363,6 @@ DOT_PARAMS = ("dimension_numbers", "precision", "preferred_element_type",
 is the one it decides: float32 accumulation)."""
 
 
-FP8_REASON = ("{} scaled float8_e4m3fn operands (scale = amax/448), float32 "
-              "accumulation; backward cotangent in float8_e5m2")
-_SCALING_TEXT = {"per_row": "per-row/per-tensor", "per_tensor": "per-tensor"}
-
-
 def _dot_sizes(eqn) -> tuple[int, ...]:
   """``(M, K, N)``, or ``(B, M, K, N)`` for a batched ``dot_general``."""
   (lc, rc), (lb, rb) = jax_compat.dot_params(eqn)[0]
@@ -527,40 +375,11 @@ def _dot_sizes(eqn) -> tuple[int, ...]:
 
 
 def _lower_dot_fp8(op: base.Op) -> Optional[list]:
-  """The float8 matmul, where `fp8_placement.admit` lets it run (not for a
-  dot that names a reduction order: scaled float8 products sum as the
-  format's kernel does, so it runs as under bfloat16, keeping the order)."""
-  if op.matmul_format == "int8":
-    return int8_matmul.lower(op, _dot_sizes(op.eqn), functools.partial(
-        amp_dot_general, compute_dtype=jnp.bfloat16))
-  if jax_compat.reduction_order(op.eqn) is not None:
-    return None
-  fmt = block_matmul.format_of_op(op)
-  options = op.rules.fp8
-  admitted = fp8_placement.admit(
-      op, "dot", _dot_sizes(op.eqn),
-      FP8_REASON.format(_SCALING_TEXT[options.scaling]) if fmt is None
-      else block_matmul.reason(fmt, options))
-  if admitted is None:
-    return None
-  lhs, rhs, out_dtype, label = admitted
-  dimension_numbers, _ = jax_compat.dot_params(op.eqn)
-  if fmt is not None:
-    op.env.places[0] += 1
-    key = recipe.op_key(options.seed, op.env.places[0] - 1,
-                        op.env.step, recipe.current_iterations())
-    if op.env.step is None and block_matmul.draws(fmt, options):
-      observe.drew_without_step()
-    return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
-                              out_dtype=out_dtype,
-                              lhs_param=op.env.is_param(lhs),
-                              rhs_param=op.env.is_param(rhs),
-                              options=options, key=key, label=label)]
-  return [fp8_dot_general(
-      lhs, rhs, dimension_numbers, out_dtype=out_dtype,
-      scaling=options.scaling,
-      contraction_axes=fp8_mesh.contraction_axes(op.env, *op.args),
-      label=label)]
+  """The quantized matmul in the op's format (`quantized_matmul.lower`),
+  where `fp8_placement.admit` lets it run; a dot that names a reduction
+  order runs as under bfloat16, keeping the order."""
+  return quantized_matmul.lower(op, _dot_sizes(op.eqn), functools.partial(
+      amp_dot_general, compute_dtype=jnp.bfloat16))
 
 
 def _lower_ragged(op: base.Op, compute, out_dtype) -> list:
