@@ -29,6 +29,7 @@ from mpolicy._src import op_rules as op_rules_lib
 from mpolicy._src import policy as policy_lib
 from mpolicy._src import observe
 from mpolicy._src import regions
+from mpolicy._src.blocks import recipe
 
 AMP_ATTRIBUTE = "__mpolicy_amp__"
 """Set on every interpreted function: ``(policy, rules)``."""
@@ -40,8 +41,9 @@ once, traced, with ``env`` (an `environment.Env`) as its top environment."""
 
 class _AtStep:
   """An interpreted function's ``at_step``: ``f.at_step(step)`` is ``f``
-  with ``step`` (an integer scalar, traced or not) folded into the keys of
-  its block matmuls (the NVFP4 recipe's randomness, `blocks.recipe`)."""
+  with ``step`` (an integer scalar, traced or not, or a `recipe.Step`: a
+  count and loop iterations) folded into the keys of its block matmuls
+  (the NVFP4 recipe's randomness, `blocks.recipe`)."""
 
   def __init__(self, owner, call):
     self.owner, self._call = owner, call
@@ -51,12 +53,16 @@ class _AtStep:
         lambda *args, **kwargs: self._call(args, kwargs, step))
 
 
-def with_step(fn: Callable[..., Any], step: Any) -> Callable[..., Any]:
+def with_step(fn: Callable[..., Any], step: Any,
+              iterations: tuple = ()) -> Callable[..., Any]:
   """``fn`` called at ``step``: ``fn.at_step(step)`` if ``fn`` is an
   interpreted function itself (not a wrapper that copied its attributes);
   ``fn`` with ``step=step`` if it has a keyword-only ``step`` parameter (a
   loss that calls interpreted models, which passes it on with their
-  ``at_step``); else ``fn``."""
+  ``at_step``); else ``fn``. With ``iterations`` (a microbatch's index),
+  ``step`` is ``recipe.Step(step, iterations)``."""
+  if iterations:
+    step = recipe.Step(step, tuple(iterations))
   at = getattr(fn, "at_step", None)
   if isinstance(at, _AtStep) and at.owner is fn:
     return fn if step is None else at(step)
@@ -231,7 +237,8 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   def call(args, kwargs, step):
     with objects.outside((args, kwargs)) as (pure, finish):
       static, arrays = split_arguments((pure,), {})
-      eager = not any(isinstance(x, jax_compat.Tracer) for x in [*arrays, step])
+      eager = not any(isinstance(x, jax_compat.Tracer) for x in
+                      [*arrays, *jax.tree_util.tree_leaves(step)])
       if eager and static.hashable():
         return finish(compiled(static, arrays, step))
       return finish(run(static, arrays, step))  # Under a transformation.
@@ -254,7 +261,8 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
               static: _Static, arrays: list,
               objects: frameworks.ObjectArguments, step=None, env=None):
   """One call of an interpreted ``fn``: trace, interpret, cast outputs;
-  ``step`` is folded into the block matmuls' keys (``None``: not); ``env``
+  ``step`` (a count or a `recipe.Step`) is folded into the block matmuls'
+  keys (``None``: not); ``env``
   is the top environment (a new `environment.Env` if ``None``).
 
   Returns ``(states, output)`` as `ObjectArguments.inside_done` makes
@@ -286,7 +294,7 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
   observe.count_run()
   env = environment.Env() if env is None else env
-  env.step = step
+  env.step, env.iterations = recipe.split_step(step)
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,
       dataclasses.replace(config, region_cache={}, shared={}),

@@ -53,14 +53,18 @@ class Env:
     self.full_only: set[Any] = set()
     self.places = [0]  # Next block matmul's place; shared with sub-jaxprs.
     self.step = None  # The training step, folded into block matmuls' keys.
+    self.iterations: tuple = ()  # The loops' iterations around, outermost
+    # first, folded in after it.
     # What an export tells the int8 matmuls and learns from them (an
     # `int8_matmul.Weights`; this jaxpr's only, not its sub-jaxprs').
     self.int8: Any = None
     self.inserted = 0
 
   def keys_from(self, outer: "Env") -> None:
-    """Shares ``outer``'s block matmul places and step (a sub-jaxpr's)."""
+    """Shares ``outer``'s block matmul places, step and iterations (a
+    sub-jaxpr's)."""
     self.places, self.step = outer.places, outer.step
+    self.iterations = outer.iterations
 
   def mark_param(self, x) -> None:
     """Records ``x`` as a parameter or input."""

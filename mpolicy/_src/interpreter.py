@@ -40,7 +40,6 @@ from mpolicy._src import repeats
 from mpolicy._src import rules
 from mpolicy._src import stepping
 from mpolicy._src import sub_computations
-from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
 from mpolicy._src.rules import facts as facts_lib
 
@@ -153,14 +152,14 @@ class Scope:
     def run(*args):
       if iteration:
         *args, index = args
-        with recipe.iteration(index):
-          return interpret(*args)
+        return interpret(*args, iterations=(index,))
       return interpret(*args)
 
-    def interpret(*args):
+    def interpret(*args, iterations=()):
       env = Env()
       env.arg_params, env.arg_consts = arg_params, arg_consts
       env.keys_from(self._env)
+      env.iterations = (*env.iterations, *iterations)
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if dtypes.float_value((a)) else a
                 for a, d in zip(args, cast_inputs_to)]

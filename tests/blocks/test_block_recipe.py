@@ -327,3 +327,42 @@ def test_a_loss_calling_an_amp_ed_model_gets_the_step_or_a_warning():
     jax.jit(mpolicy.make_train_step(
         lambda p, x: jnp.sum(plain(p, x) ** 2), opt))(
             w, state, mpolicy.NoOpLossScale(), x)
+
+
+def test_the_iterations_reach_the_rules_as_arguments_not_a_context_variable():
+  # The microbatch index and a scan's iteration travel in the environment
+  # (Env.iterations), from `at_step(Step(count, iterations))` and from each
+  # scan body; nothing in the recipe holds them between calls.
+  import inspect
+  source = inspect.getsource(recipe)
+  assert "ContextVar" not in source and "contextvars" not in source
+  assert not hasattr(recipe, "iteration")
+  # A loss with a `step` parameter gets each microbatch's Step (the count
+  # and the traced index) and passes it on: microbatch i's keys are those
+  # of model.at_step(recipe.Step(5, (i,))).
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  model = mpolicy.amp(lambda p, x: jnp.tanh(x @ p["w"]), "p=f32,c=nvfp4,o=f32")
+  seen = []
+
+  def loss(p, x, *, step):
+    seen.append(step)
+    return jnp.mean(model.at_step(step)(p, x) ** 2)
+
+  opt = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                    optax.scale(-1.0))
+  state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
+  new = jax.jit(mpolicy.make_train_step(loss, opt, microbatches=2))(
+      w, state, mpolicy.NoOpLossScale(), x).params["w"]
+  assert all(isinstance(s, recipe.Step) for s in seen)
+  assert {len(s.iterations) for s in seen} == {1}
+  assert {str(s.iterations[0].dtype) for s in seen} == {"int32"}
+
+  def grad(i, step):
+    return jax.jit(jax.grad(lambda p: jnp.mean(
+        model.at_step(step)(p, x[i::2]) ** 2)))(w)["w"]
+
+  mean = (grad(0, recipe.Step(5, (0,))) + grad(1, recipe.Step(5, (1,)))) / 2
+  np.testing.assert_allclose(new, w["w"] - mean, rtol=1e-6, atol=1e-6)
+  same = (grad(0, recipe.Step(5, (0,))) + grad(1, recipe.Step(5, (0,)))) / 2
+  assert not np.allclose(new, w["w"] - same, rtol=1e-6, atol=1e-6)

@@ -9,8 +9,11 @@ of the interpreted program, sub-jaxprs included) and, where a step count is
 given (``f.at_step(step)`` of an `amp` function; `make_train_step` passes
 the optimizer's count), with it, so that a step is reproducible and steps
 differ; inside a loop body (a `scan`, each microbatch of
-`make_train_step`) with the iteration (`iteration`), so that iterations
-differ too.
+`make_train_step`) with the iteration, so that iterations differ too. Both
+reach the rules as arguments: the interpreter's environment carries the
+step and the iterations of the loops around (`Env.step`, `Env.iterations`),
+from ``f.at_step(step)``, where ``step`` may be a `Step` (a count and the
+iterations of the loops around the call), and from each scan body.
 
 >>> import jax, jax.numpy as jnp
 >>> x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
@@ -23,9 +26,7 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Iterator, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -34,8 +35,21 @@ import numpy as np
 
 HADAMARD_SIZE = 16
 
-_ITERATIONS: contextvars.ContextVar = contextvars.ContextVar(
-    "mpolicy_block_iterations", default=())
+
+class Step(NamedTuple):
+  """Where a call runs in training: the step ``count`` (``None``: none)
+  and the ``iterations`` of the loops around it, outermost first (a
+  microbatch's index). ``f.at_step(Step(count, iterations))`` folds both
+  into the keys of ``f``'s block matmuls."""
+  count: Any = None
+  iterations: tuple = ()
+
+
+def split_step(step: Any) -> tuple[Any, tuple]:
+  """``(count, iterations)`` of a step count or a `Step`."""
+  if isinstance(step, Step):
+    return step.count, tuple(step.iterations)
+  return step, ()
 
 
 def _hadamard(n: int) -> np.ndarray:
@@ -43,22 +57,6 @@ def _hadamard(n: int) -> np.ndarray:
   while h.shape[0] < n:
     h = np.block([[h, h], [h, -h]])
   return h / np.float32(np.sqrt(n))
-
-
-@contextlib.contextmanager
-def iteration(index: Any) -> Iterator[None]:
-  """Folds ``index`` (a loop body's traced iteration) into the keys of the
-  block matmuls traced inside, after those of the loops around it."""
-  token = _ITERATIONS.set((*_ITERATIONS.get(), index))
-  try:
-    yield
-  finally:
-    _ITERATIONS.reset(token)
-
-
-def current_iterations() -> tuple:
-  """The iterations `iteration` set, outermost first."""
-  return _ITERATIONS.get()
 
 
 def op_key(seed: int, place: int, step: Optional[Any] = None,

@@ -442,7 +442,7 @@ def _key(op: base.Op, fmt: Format, options):
   env = op.env
   env.places[0] += 1
   key = recipe.op_key(options.seed, env.places[0] - 1, env.step,
-                      recipe.current_iterations())
+                      env.iterations)
   if env.step is None and fmt.draws(options):
     observe.drew_without_step()
   return key

@@ -42,7 +42,6 @@ import numpy as np
 
 from mpolicy._src import distributed
 from mpolicy._src import jax_compat
-from mpolicy._src.blocks import recipe
 from mpolicy._src.training import _trees
 from mpolicy._src.training import microbatches as microbatches_lib
 from mpolicy._src.training import scaling
@@ -188,12 +187,11 @@ class _Plan:
   -> (grads, loss, aux)`, for the loss-scaled driver."""
 
   def __init__(self, fun, k, *, has_aux, has_state, batch_argnums, arg_names,
-               loss_reduction, axis_name, reduce_dtype, grad_dtype, where):
+               loss_reduction, axis_name, reduce_dtype, grad_dtype, where,
+               at_iteration=None):
     self.weighted = _weighted(fun, loss_reduction, has_aux)
-    self.grad = scaling.scaled_gradient(self.weighted, 0, True,
-                                        unscale_in=_acc_dtype)
-    if axis_name is not None:  # JAX's sums in the backward pass too.
-      self.grad = distributed.summed_in(self.grad, reduce_dtype, where)
+    self.fun_at = (lambda index: fun) if at_iteration is None else at_iteration
+    self.has_aux = has_aux
     self.k, self.has_state, self.n_state = k, has_state, int(has_state)
     self.batch_argnums, self.arg_names = batch_argnums, arg_names
     self.loss_reduction, self.axis_name = loss_reduction, axis_name
@@ -224,9 +222,8 @@ class _Plan:
 
       def body(carry, leaves_and_index):
         leaves, index = leaves_and_index
-        with recipe.iteration(index):  # The block formats' keys differ.
-          out, ys = self._add(carry, loss_scale, params, rebuild(leaves),
-                              kwargs)
+        out, ys = self._add(carry, loss_scale, params, rebuild(leaves),
+                            kwargs, index)
         if types.typed:  # The carry keeps its types from one microbatch on.
           flat, treedef = jax.tree_util.tree_flatten(out)
           out = treedef.unflatten(
@@ -249,10 +246,20 @@ class _Plan:
     return (acc, types.widen(jnp.float32(0), loss_vma),
             types.widen(jnp.float32(0), loss_vma), state)
 
-  def _add(self, carry, loss_scale, params, data, kwargs):
+  def _grad(self, index):
+    """The scaled gradient of the loss at microbatch ``index`` (which
+    reaches the block formats' keys, `fun_at`)."""
+    weighted = _weighted(self.fun_at(index), self.loss_reduction,
+                         self.has_aux)
+    grad = scaling.scaled_gradient(weighted, 0, True, unscale_in=_acc_dtype)
+    if self.axis_name is not None:  # JAX's sums in the backward pass too.
+      grad = distributed.summed_in(grad, self.reduce_dtype, self.where)
+    return grad
+
+  def _add(self, carry, loss_scale, params, data, kwargs, index):
     """One microbatch added to the carry; `(carry, (loss, aux))`."""
     acc, total, weight, state = carry
-    grads, loss, (w, aux) = self.grad(
+    grads, loss, (w, aux) = self._grad(index)(
         loss_scale, params, *self.with_state(state, data), **kwargs)
     aux, new_state = self.split_aux(aux)
     if self.loss_reduction == MEAN:
@@ -300,6 +307,7 @@ def accumulated_value_and_grad(
     max_retries: int = 0,
     attribute_overflow: bool = False,
     where: str = "make_train_step",
+    at_iteration: Callable[[Any], Callable[..., Any]] | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
   """`scaled_value_and_grad(fun)` over `microbatches` strided microbatches.
 
@@ -309,7 +317,9 @@ def accumulated_value_and_grad(
   threaded through the microbatches in order, and `fun`'s aux is `(aux,
   new_state)`. The other arguments are the data: their arrays with an axis
   (in the arguments at `batch_argnums`) are split; `arg_names` names them
-  in messages.
+  in messages. `at_iteration(index)`, if given, is `fun` for microbatch
+  `index` (a traced int32): `fun` called at that iteration, so that the
+  block formats' keys differ per microbatch.
 
   Returns:
     `g(loss_scale, params, *args, **kwargs) -> (new_loss_scale,
@@ -322,7 +332,8 @@ def accumulated_value_and_grad(
   plan = _Plan(fun, microbatches, has_aux=has_aux, has_state=has_state,
                batch_argnums=batch_argnums, arg_names=arg_names,
                loss_reduction=loss_reduction, axis_name=axis_name,
-               reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, where=where)
+               reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, where=where,
+               at_iteration=at_iteration)
   return scaling.drive(plan.attempt, 0, has_aux=has_aux, axis_name=axis_name,
                        max_retries=max_retries,
                        attribute_overflow=attribute_overflow)

@@ -148,7 +148,9 @@ def make_train_step(
       block matmuls that draw random numbers (the NVFP4 recipe): an
       `amp`-ed `loss_fn` is called as `loss_fn.at_step(count)`; a
       `loss_fn` with a keyword-only `step` parameter gets `step=count`
-      (to call its models as `model.apply.at_step(step)`); any other
+      (to call its models as `model.apply.at_step(step)`; with
+      `microbatches`, each microbatch's `Step(count, (index,))`, which
+      `at_step` takes too, so that microbatches draw apart); any other
       `loss_fn` whose models draw random numbers gets a warning.
     optimizer: any optax optimizer; it needs no `skip_nonfinite`.
     has_aux: whether `loss_fn` returns auxiliary outputs.
@@ -259,22 +261,29 @@ def make_train_step(
       reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
       max_retries=max_retries, attribute_overflow=attribute_overflow)
 
-  def grad_for(fun):
-    fun = _with_state_as_aux(fun, has_aux) if has_state else fun
+  wrap = ((lambda fun: _with_state_as_aux(fun, has_aux)) if has_state
+          else (lambda fun: fun))
+
+  def grad_for(step):
+    """The gradient of ``loss_fn`` called at ``step`` (`amp.with_step`);
+    each microbatch's at its iteration too."""
+    fun = wrap(amp.with_step(loss_fn, step))
     if k == 1 and loss_reduction == accumulation.MEAN:
       return scaling.scaled_value_and_grad(fun, **grad_options)
     return accumulation.accumulated_value_and_grad(
         fun, k, has_state=has_state, batch_argnums=batch_argnums,
         arg_names=microbatches_lib.arg_names(loss_fn, 1),
-        loss_reduction=loss_reduction, **grad_options)
+        loss_reduction=loss_reduction,
+        at_iteration=lambda index: wrap(amp.with_step(loss_fn, step,
+                                                      (index,))),
+        **grad_options)
 
-  grad_fn = grad_for(loss_fn)
+  grad_fn = grad_for(None)
 
   def grad_at(step):
-    """The gradient of ``loss_fn`` called at ``step`` (`amp.with_step`)."""
-    stepped = amp.with_step(loss_fn, step)
-    if stepped is not loss_fn:
-      return grad_for(stepped)
+    """The gradient of ``loss_fn`` called at ``step``."""
+    if amp.with_step(loss_fn, step) is not loss_fn:
+      return grad_for(step)
     return grad_fn if step is None else _warning_if_unstepped(grad_fn)
 
   if not has_state:
