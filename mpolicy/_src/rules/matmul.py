@@ -2,8 +2,9 @@
 
 This file owns all a matmul needs: its ``lower`` rule, the
 `amp_dot_general` primitive (half operands, float32 accumulation) with its
-per-backend lowerings, transposes and batching, and the float8 matmul run
-under ``c=f8``.
+per-backend lowerings, transposes and batching, and the rule of a matmul
+under a quantized format (``c=f8``, ``c=mxfp8``, ``c=mxfp4``, ``c=nvfp4``,
+``c=int8``), which runs `quantized_matmul`.
 
 `amp_dot_general` lowers, on GPU and TPU, to the half dot asking for its
 result dtype directly (the matrix units accumulate in float32; a float32
@@ -14,16 +15,16 @@ run time: "Unsupported element type for DotThunk"), so the CPU lowering lays
 the left operand out that way behind an optimization barrier, which keeps
 XLA from folding a transpose back into the dot.
 
-The float8 matmul gives the left operand one scale per row (each token,
-each example of a batch, so a row far below the batch's largest keeps its
-digits, as under `vmap`) and the right operand one per batch element (one
-per tensor for a plain matmul); see `fp8_scaling`. Under a block format
-(``c=mxfp8``, ``c=mxfp4``, ``c=nvfp4``) the same matmuls run in
-`block_matmul` instead. Its backward rule is a
+The float8 matmul (`fp8_dot_general`) gives the left operand one scale per
+row (each token, each example of a batch, so a row far below the batch's
+largest keeps its digits, as under `vmap`) and the right operand one per
+batch element (one per tensor for a plain matmul); see `fp8_scaling`. The
+block formats' (`block_dot_general`) run as `block_matmul` says. Both are
+`quantized_matmul.quantized_dot_general`, whose backward rule is a
 `jax.custom_vjp`, so reverse mode works at any depth of `jit`, `scan`,
-`checkpoint` and `vmap`, but forward mode (`jax.jvp`) through a float8 op
-raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
-function". Backward matmuls are true mixed float8 products.
+`checkpoint` and `vmap`, but forward mode (`jax.jvp`) through a quantized
+op raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
+function". Backward float8 matmuls are true mixed float8 products.
 """
 
 from __future__ import annotations
