@@ -10,6 +10,7 @@ import numpy as np
 
 import mpolicy
 from mpolicy._src import policy as policy_lib
+from mpolicy._src.rules import conv
 from mpolicy._src.rules import matmul
 from mpolicy._src.rules import quantized_matmul as qm
 
@@ -52,7 +53,7 @@ def test_an_unknown_format_is_refused_with_the_known_ones():
 
 def test_the_rule_has_no_branch_per_format():
   names = [n for n, _ in qm.FORMATS] + ["per_row", "per_tensor"]
-  for fn in (matmul._lower_dot_fp8, qm.lower, qm._key,
+  for fn in (matmul._lower_dot_fp8, conv._lower_conv_fp8, qm.lower, qm._key,
              qm.quantized_dot_general, qm._forward, qm._backward):
     source = inspect.getsource(fn)
     assert not [n for n in names if repr(n) in source or f'"{n}"' in source], (

@@ -149,6 +149,13 @@ class Format:
     """A dot naming a reduction order runs as under bfloat16, keeping it."""
     del op, order
 
+  def declines_convolution(self, op: base.Op) -> bool:
+    """Whether a convolution stays out of the format (saying why on
+    ``op``); here: it does, the format covers matmuls only."""
+    op.note = (f", not {self.ran_in}: block formats cover matmuls "
+               "(dot_general), not convolutions")
+    return True
+
   def given(self, op: base.Op, lhs, rhs, dims, label):
     """Operands given quantized (``((q, s) or None, (q, s) or None)``,
     forward only), else ``None``; here a format tells the observers what
@@ -196,6 +203,9 @@ class Float8(Format):
 
   def __init__(self, scaling: str):
     self.scaling, self.per_tensor = scaling, scaling == "per_tensor"
+
+  def declines_convolution(self, op: base.Op) -> bool:
+    return False
 
   def reason(self, options) -> str:
     text = {"per_row": "per-row/per-tensor", "per_tensor": "per-tensor"}
@@ -314,6 +324,11 @@ class Int8(Format):
 
   def keep_order(self, op: base.Op, order) -> None:
     return int8_matmul.keep_order(op, order)
+
+  def declines_convolution(self, op: base.Op) -> bool:
+    int8_matmul.decline(op, "is a convolution: int8 covers matmuls "
+                        "(dot_general)")
+    return True
 
   def given(self, op: base.Op, lhs, rhs, dims, label):
     return int8_matmul.given(op, lhs, rhs, dims, label)
