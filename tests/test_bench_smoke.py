@@ -313,3 +313,58 @@ def test_collectives_benchmark_prints_both_sums_and_their_ratio():
   assert re.search(r"\| bf16 sum \| [0-9.]+ ms", proc.stdout)
   assert re.search(r"\| f32 sum \| [0-9.]+ ms", proc.stdout)
   assert re.search(r"\| f32 / bf16 \| [0-9.]+x", proc.stdout)
+
+
+def _table(out: str, title: str) -> list[list[str]]:
+  """The body rows of the markdown table under the ``### title`` line."""
+  lines = out.split(f"### {title}", 1)[1].splitlines()
+  end = next((i for i, l in enumerate(lines[1:]) if l.startswith("###")),
+             len(lines))
+  rows = [l for l in lines[1:end + 1] if l.startswith("|")]
+  return [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
+
+
+def _ratio(cell: str) -> float:
+  """``0.27x (0.25-0.31)`` or ``0.284x`` -> the leading ratio."""
+  value = float(cell.split("x", 1)[0])
+  assert 0 < value < float("inf"), cell
+  return value
+
+
+@pytest.mark.ci  # Trains six tiny models and exports three: ~2 min on 2 cores.
+def test_int8_benchmark_prints_every_table_with_positive_ratios():
+  proc = _run("bench_int8.py", "--seeds=0", "--digits_steps=5",
+              "--char_steps=2", "--d_model=16", "--seq_len=16", "--hidden=16",
+              "--mlp=32", "--mlp_batch=8", "--repeats=2", "--calls=1",
+              "--matmul_n=32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert out.startswith("jax ") and "CPU " in out and "load average" in out
+  fidelity = _table(out, "Fidelity")
+  assert [r[:2] for r in fidelity] == [
+      [m, v] for m in ("digits CNN", "char transformer")
+      for v in ("float32", "bf16", "int8 QAT", "PTQ (float32 → int8)")]
+  for model, _, metric, mean, *_ in fidelity:
+    low, high = (0, 1) if metric == "test accuracy" else (0, 10)
+    assert low <= float(mean) <= high, (model, mean)
+  sizes = _table(out, "Serving artifact bytes")
+  assert [r[0].split(" (")[0] for r in sizes] == [
+      "digits CNN", "char transformer", "MLP 784-32-10"]
+  for row in sizes:
+    f32_params, int8_params = (int(row[i].replace(",", "")) for i in (2, 4))
+    assert 0 < int8_params < f32_params, row
+    assert _ratio(row[5]) > 0 and row[6] in ("met", "missed")
+  serve = _table(out, "Serving CPU time per batch")
+  assert len(serve) == 4 and serve[-1][0] == "raw matmul 32^3 (reference)"
+  for row in serve:
+    _ratio(row[3])
+    assert "(s8,s8)->s32" in row[5], row  # Every int8 program has int8 dots.
+  steps = _table(out, "Training step CPU time")
+  assert [r[0] for r in steps] == ["char transformer", "MLP"]
+  assert all(_ratio(r[3]) and r[4] in ("met", "missed") for r in steps)
+
+
+def test_int8_benchmark_rejects_unknown_parts_by_name():
+  proc = _run("bench_int8.py", "--parts=bytes,speed", timeout=120)
+  assert proc.returncode != 0
+  assert "--parts must be a comma-separated subset of" in proc.stderr
