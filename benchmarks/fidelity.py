@@ -268,51 +268,63 @@ def run(task, data, fmt: str, seed: int, steps: int) -> dict:
   return metrics
 
 
+def _runs(results: dict, model: str, fmt: str, seeds) -> list:
+  """The metrics of the seeds that ran (a table may be partial)."""
+  return [results[(model, fmt, s)] for s in seeds
+          if (model, fmt, s) in results]
+
+
 def table(results: dict, models, formats, seeds) -> str:
   """Per model and format: mean, spread, gap to f32, outside f32's spread."""
   lines = ["| model | format | metric | mean | spread | gap to f32 | outside "
-           "f32 spread | low-precision matmul FLOPs % | skipped | CPU s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "f32 spread | low-precision matmul FLOPs % | skipped | seeds | "
+           "CPU s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for model in models:
     metric = fidelity_models.task(model).metric
-    runs = lambda fmt: [results[(model, fmt, s)] for s in seeds]
-    base = [r[metric] for r in runs("f32")] if "f32" in formats else None
+    base = [r[metric] for r in _runs(results, model, "f32", seeds)]
     for fmt in formats:
-      got = [r[metric] for r in runs(fmt)]
-      mean, spread = np.mean(got), np.ptp(got)
+      runs = _runs(results, model, fmt, seeds)
+      if not runs:
+        lines.append(f"| {model} | {fmt} | {metric} | not run |" + " |" * 7)
+        continue
+      got = [r[metric] for r in runs]
       gap = outside = "-"
-      if base is not None and fmt != "f32":
-        diff = mean - np.mean(base)
+      if base and fmt != "f32":
+        diff = np.mean(got) - np.mean(base)
         gap = f"{diff:+.4f}"
         outside = "yes" if abs(diff) > np.ptp(base) else "no"
       lines.append(
-          f"| {model} | {fmt} | {metric} | {mean:.4f} | {spread:.4f} | {gap} "
-          f"| {outside} | {np.mean([r['low_flops'] for r in runs(fmt)]):.1f} "
-          f"| {sum(r['skipped'] for r in runs(fmt))} "
-          f"| {sum(r['cpu_s'] for r in runs(fmt)):.0f} |")
+          f"| {model} | {fmt} | {metric} | {np.mean(got):.4f} | "
+          f"{np.ptp(got):.4f} | {gap} | {outside} | "
+          f"{np.mean([r['low_flops'] for r in runs]):.1f} | "
+          f"{sum(r['skipped'] for r in runs):.0f} | {len(runs)} | "
+          f"{sum(r['cpu_s'] for r in runs):.0f} |")
   return "\n".join(lines)
 
 
 def targets(results: dict, models, formats, seeds) -> str:
   """The targets: mxfp8 against bf16 on the held-out loss; f16's skipped
   steps and half FLOPs."""
-  mean = lambda model, fmt, metric: np.mean(
-      [results[(model, fmt, s)][metric] for s in seeds])
   lines = []
   for model in models:
-    metric = ("test_loss" if "test_loss" in results[(model, formats[0],
-                                                     seeds[0])]
+    runs = {fmt: _runs(results, model, fmt, seeds) for fmt in formats}
+    some = next(iter(r for r in runs.values() if r), [{}])[0]
+    metric = ("test_loss" if "test_loss" in some
               else fidelity_models.task(model).metric)
-    if {"mxfp8", "bf16"} <= set(formats):
-      gap = mean(model, "mxfp8", metric) - mean(model, "bf16", metric)
+    ran = [r for rs in runs.values() for r in rs]
+    lines.append(f"{model}: {len(ran)} runs, "
+                 f"{sum(r['cpu_s'] for r in ran):.0f} CPU s in all")
+    if runs.get("mxfp8") and runs.get("bf16"):
+      gap = (np.mean([r[metric] for r in runs["mxfp8"]])
+             - np.mean([r[metric] for r in runs["bf16"]]))
       lines.append(f"{model}: mxfp8 - bf16 {metric} {gap:+.4f}")
-    if "f16" in formats:
-      runs = [results[(model, "f16", s)] for s in seeds]
+    if runs.get("f16"):
+      f16 = runs["f16"]
       lines.append(
-          f"{model}: f16 skipped {sum(r['skipped'] for r in runs):.0f} steps, "
-          f"half matmul FLOPs {min(r['low_flops'] for r in runs):.1f}% "
+          f"{model}: f16 skipped {sum(r['skipped'] for r in f16):.0f} steps, "
+          f"half matmul FLOPs {min(r['low_flops'] for r in f16):.1f}% "
           f"(the least of the seeds), islands "
-          f"{max(r.get('islands', 0) for r in runs):.0f} (the most)")
+          f"{max(r.get('islands', 0) for r in f16):.0f} (the most)")
   return "\n".join(lines)
 
 
@@ -325,11 +337,12 @@ def plot(results: dict, models, formats, seeds, path: str) -> None:
   for ax, model in zip(axes[0], models):
     metric = fidelity_models.task(model).metric
     for i, fmt in enumerate(formats):
-      got = [results[(model, fmt, s)][metric] for s in seeds]
-      ax.plot([i] * len(got), got, "o", ms=3, color="C0")
-      ax.plot([i], [np.mean(got)], "_", ms=10, color="k")
-    if "f32" in formats:
-      base = [results[(model, "f32", s)][metric] for s in seeds]
+      got = [r[metric] for r in _runs(results, model, fmt, seeds)]
+      if got:
+        ax.plot([i] * len(got), got, "o", ms=3, color="C0")
+        ax.plot([i], [np.mean(got)], "_", ms=10, color="k")
+    base = [r[metric] for r in _runs(results, model, "f32", seeds)]
+    if base:
       ax.axhspan(min(base), max(base), color="C1", alpha=0.3)
     ax.set_xticks(range(len(formats)), formats, rotation=90, fontsize=7)
     ax.set_title(f"{model}: {metric}", fontsize=8)
