@@ -277,15 +277,16 @@ def _runs(results: dict, model: str, fmt: str, seeds) -> list:
 def table(results: dict, models, formats, seeds) -> str:
   """Per model and format: mean, spread, gap to f32, outside f32's spread."""
   lines = ["| model | format | metric | mean | spread | gap to f32 | outside "
-           "f32 spread | low-precision matmul FLOPs % | skipped | seeds | "
-           "CPU s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "f32 spread | matmul FLOPs in low precision % | in the format % "
+           "| skipped | seeds | CPU s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for model in models:
     metric = fidelity_models.task(model).metric
     base = [r[metric] for r in _runs(results, model, "f32", seeds)]
     for fmt in formats:
       runs = _runs(results, model, fmt, seeds)
       if not runs:
-        lines.append(f"| {model} | {fmt} | {metric} | not run |" + " |" * 7)
+        lines.append(f"| {model} | {fmt} | {metric} | not run |" + " |" * 8)
         continue
       got = [r[metric] for r in runs]
       gap = outside = "-"
@@ -297,6 +298,7 @@ def table(results: dict, models, formats, seeds) -> str:
           f"| {model} | {fmt} | {metric} | {np.mean(got):.4f} | "
           f"{np.ptp(got):.4f} | {gap} | {outside} | "
           f"{np.mean([r['low_flops'] for r in runs]):.1f} | "
+          f"{np.mean([r['format_flops'] for r in runs]):.1f} | "
           f"{sum(r['skipped'] for r in runs):.0f} | {len(runs)} | "
           f"{sum(r['cpu_s'] for r in runs):.0f} |")
   return "\n".join(lines)

@@ -355,7 +355,7 @@ def test_fidelity_script_runs_and_writes_its_csv_table_and_plot(tmp_path):
   assert "CELL co2_mlp bf16 1 low_flops=100" in proc.stdout
   assert "CELL co2_mlp f32 0 low_flops=0" in proc.stdout
   assert re.search(r"\| co2_mlp \| bf16 \| test_mse \| [0-9.]+ \| [0-9.]+ \| "
-                   r"[-+][0-9.]+ \| (yes|no) \| 100\.0 \| 0 \| 2 \|", proc.stdout)
+                   r"[-+][0-9.]+ \| (yes|no) \| 100\.0 \| 100\.0 \| 0 \| 2 \|", proc.stdout)
   assert png.read_bytes()[:4] == b"\x89PNG"
   again = _run("fidelity.py", f"--from_csv={out}")
   assert again.returncode == 0, again.stderr[-3000:]
