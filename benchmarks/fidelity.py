@@ -330,7 +330,8 @@ def targets(results: dict, models, formats, seeds) -> str:
   return "\n".join(lines)
 
 
-def plot(results: dict, models, formats, seeds, path: str) -> None:
+def plot(results: dict, models, formats, seeds, path: str, title: str) -> None:
+  """Per model: each seed's metric per format, its mean, f32's range."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -349,6 +350,8 @@ def plot(results: dict, models, formats, seeds, path: str) -> None:
     ax.set_xticks(range(len(formats)), formats, rotation=90, fontsize=7)
     ax.set_title(f"{model}: {metric}", fontsize=8)
     ax.tick_params(labelsize=7)
+  fig.suptitle(f"{title}; dots: seeds, bar: mean, band: f32's range",
+               fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=70)
 
@@ -371,7 +374,8 @@ def main(argv) -> int:
     print(table(results, models, formats, seeds))
     print(targets(results, models, formats, seeds))
     if FLAGS.plot:
-      plot(results, models, formats, seeds, FLAGS.plot)
+      plot(results, models, formats, seeds, FLAGS.plot,
+           f"{'/'.join(map(str, steps))} steps")
     return 0
   seeds = [int(s) for s in FLAGS.seeds]
   formats = FLAGS.formats or available()
@@ -397,7 +401,9 @@ def main(argv) -> int:
       writer.writerow(("model", "format", "seed", "steps", "metric", "value"))
       writer.writerows(rows)
   if FLAGS.plot:
-    plot(results, FLAGS.models, FLAGS.formats, seeds, FLAGS.plot)
+    plot(results, FLAGS.models, formats, seeds, FLAGS.plot,
+         f"{FLAGS.steps} steps, jax {jax.__version__}, {cpu}, "
+         f"{datetime.date.today()}")
   return 0
 
 

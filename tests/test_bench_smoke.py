@@ -363,6 +363,21 @@ def test_fidelity_script_runs_and_writes_its_csv_table_and_plot(tmp_path):
   assert "co2_mlp: mxfp8" not in again.stdout  # No mxfp8 run to compare.
 
 
+@pytest.mark.ci  # Every format on the CO2 MLP: 40 s of CPU.
+def test_fidelity_script_runs_every_format_this_mpolicy_has(tmp_path):
+  fidelity = _load("fidelity")
+  png = tmp_path / "all.png"
+  proc = _run("fidelity.py", "--models=co2_mlp", "--seeds=0", "--steps=2",
+              f"--plot={png}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  formats = fidelity.available()
+  assert {"f32", "f16", "mxfp8", "nvfp4", "adam8"} <= set(formats)
+  for fmt in formats:
+    assert f"| co2_mlp | {fmt} | test_mse | " in proc.stdout, fmt
+  assert re.search(r"CELL co2_mlp f16 0 islands=\d", proc.stdout)
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_fidelity_script_rejects_bad_flags_and_a_missing_int8(capsys):
   fidelity = _load("fidelity")
   for argv, words in [(["--models=vgg"], "--models must be a comma-separated"),
