@@ -18,7 +18,7 @@ same seed:
   nvfp4-no-tiles    the same, weight_tiles=False (1x16 weight blocks)
   nvfp4-all-layers  the recipe's defaults, no layer kept in bf16
 
-The recipe's keys fold in the step count (`blocks.recipe.step_count`).
+The recipe's keys fold in the step count (``model.apply.at_step``).
 
   python benchmarks/block_fidelity.py --steps 300 --seeds 0 1 2 \
       --configs bf16 mxfp8 nvfp4
@@ -39,7 +39,6 @@ import numpy as np
 import optax
 
 import mpolicy
-from mpolicy._src.blocks import recipe
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "examples"))
@@ -81,9 +80,9 @@ def make_stepper(policy: str, options: dict, keep, corpus, seed: int,
   optimizer = optax.adam(3e-3)
 
   def step(params, opt_state, batch, count):
-    with recipe.step_count(count):
-      (loss, _), grads = jax.value_and_grad(
-          lambda p: ct.lm_loss(model.apply, p, batch), has_aux=True)(params)
+    (loss, _), grads = jax.value_and_grad(
+        lambda p: ct.lm_loss(model.apply.at_step(count), p, batch),
+        has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

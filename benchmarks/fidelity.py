@@ -231,8 +231,10 @@ def run(task, data, fmt: str, seed: int, steps: int) -> dict:
       lambda p, s, x: task.apply(p, s, x, training), policy, rules=rules(fmt))
   forward = amp(True)
 
-  def loss_fn(params, state, x, y):
-    out, state = forward(params, state, x)
+  def loss_fn(params, state, x, y, *, step=None):
+    # make_train_step passes the optimizer's count: the NVFP4 recipe's keys.
+    at_step = forward if step is None else forward.at_step(step)
+    out, state = at_step(params, state, x)
     return task.loss(out, y), state
 
   loss_scale = (mpolicy.DynamicLossScale(jnp.float32(2.0**15))

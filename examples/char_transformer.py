@@ -233,8 +233,10 @@ def train(corpus: Corpus, config: ModelConfig = ModelConfig(), *,
 
     if microbatches > 1:  # The same step over microbatches, in one call.
       optimizer = optax.adam(learning_rate)
+      # `step`: the optimizer's count, for block formats' random draws.
       accumulating = jax.jit(mpolicy.make_train_step(
-          lambda p, b: lm_loss(model.apply, p, b), optimizer, has_aux=True,
+          lambda p, b, *, step: lm_loss(model.apply.at_step(step), p, b),
+          optimizer, has_aux=True,
           microbatches=microbatches),
           # --debug_nonfinite reads a skipped step's params afterwards.
           donate_argnums=() if debug_nonfinite else (0, 1))

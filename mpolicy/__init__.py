@@ -55,6 +55,7 @@ from mpolicy._src.op_rules import OpRules
 
 from mpolicy._src.amp import amp
 from mpolicy._src.amp import full_precision
+from mpolicy._src.int8_export import export_quantized
 from mpolicy._src.higher_order import UnsupportedPrimitiveError
 
 from mpolicy._src.explain import explain
@@ -187,6 +188,7 @@ __all__ = (
     "dequantize_blocks",
     "explain",
     "explain_policy",
+    "export_quantized",
     "fake_quantize",
     "Fp8Report",
     "fp8_stats",

@@ -192,6 +192,21 @@ def test_porting_recipe_runs_as_a_file(tmp_path, recipe, printed):
   assert re.fullmatch(printed, out.strip()), out
 
 
+@pytest.mark.ci  # Two trainings, three exports: 25 s of CPU.
+def test_digits_int8_runs_as_a_file_and_its_export_is_bit_exact(tmp_path):
+  rc, out, err = run_example("digits_int8", "--steps=3", "--batch_size=16",
+                             "--hidden=8", "--log_every=0", cwd=tmp_path)
+  assert_ok(rc, out, err)
+  assert re.search(r"^float32 test accuracy: 0\.\d{4}$", out, flags=re.M), out
+  assert re.search(r"^int8 QAT test accuracy: 0\.\d{4}$", out, flags=re.M), out
+  assert ("stored in int8: ['hidden']['w']['int8'], "
+          "['logits']['w']['int8']") in out
+  assert ("exported int8 artifact equals the jitted model bit for bit: True"
+          in out)
+  assert re.search(r"^serving artifact bytes: int8 [\d,]+ vs float32 [\d,]+ "
+                   r"\(\d+\.\d\dx\)$", out, flags=re.M), out
+
+
 @pytest.mark.slow  # Not in CI (27 s): tests/debugging checks suggest_policy.
 def test_precision_islands_runs_as_a_file_and_tabulates_three_runs(tmp_path):
   rc, out, err = run_example(

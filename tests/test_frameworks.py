@@ -118,3 +118,31 @@ def test_equinox_filter_jit_and_filter_grad_through_amp():
   params, static = eqx.partition(model, eqx.is_array)
   assert bf16_dots(lambda p, x: forward(eqx.combine(p, static), x),
                    params, x) == 2
+
+
+@pytest.mark.parametrize("spec", ["p=f32,c=f8,o=bf16", "p=f32,c=mxfp8,o=bf16",
+                                  "p=f32,c=nvfp4,o=bf16"])
+def test_layers_given_the_compute_dtype_compute_in_bfloat16(spec):
+  """User code outside `amp` hands ``policy.compute_dtype`` to a layer: under
+  a matmul format that is bfloat16, never an unscaled float8."""
+  nn = pytest.importorskip("flax.linen")
+  hk = pytest.importorskip("haiku")
+  compute = mpolicy.get_policy(spec).compute_dtype
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(key, (2, 8)) * 300
+
+  dense = nn.Dense(4, dtype=compute)
+  variables = dense.init(key, x)
+  y = dense.apply(variables, x)
+  want = nn.Dense(4).apply(variables, x)
+  assert y.dtype == jnp.bfloat16
+  assert bf16_dots(dense.apply, variables, x) == 1
+  np.testing.assert_allclose(np.float32(y), want, rtol=0.02, atol=1.0)
+
+  linear = hk.without_apply_rng(hk.transform(
+      lambda x: hk.Linear(4)(x.astype(compute))))
+  params = linear.init(key, x)
+  assert {p.dtype for p in jax.tree_util.tree_leaves(params)} == {
+      np.dtype(jnp.bfloat16)}
+  assert linear.apply(params, x).dtype == jnp.bfloat16
+  assert bf16_dots(linear.apply, params, x) == 1

@@ -464,6 +464,11 @@ def test_each_rules_test_file_is_named_for_its_family_and_each_family_has_one():
 # Modules that may loop over a jaxpr's equations and bind them, and why.
 EVALUATORS = {
     "interpreter": "the interpreter: the one evaluator of jaxprs",
+    # The gradient helpers' backward sums in reduce_dtype (`distributed.
+    # summed_in`): a traced gradient run as JAX wrote it, but for the
+    # narrower cross-device sums at its top level.
+    "jax_compat.hijax": "eval_rebinding: a jaxpr run as written, some "
+                        "equations rebound",
 }
 
 

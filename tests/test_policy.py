@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import jax
@@ -237,6 +238,94 @@ def test_repr_names_dtypes():
 def test_policy_pickles():
   policy = get_policy("p=f32,c=bf16,o=f16")
   assert pickle.loads(pickle.dumps(policy)) == policy
+
+
+# --- Policy.matmul_format ----------------------------------------------------
+
+FORMAT_SPECS = {"fp8": "p=f32,c=f8,o=bf16", "mxfp8": "p=f32,c=mxfp8,o=f32",
+                "mxfp4": "p=bf16,c=mxfp4,o=bf16", "nvfp4": "p=f32,c=nvfp4,o=f16"}
+
+
+def test_matmul_format_is_a_field_after_output_dtype_default_none():
+  names = [f.name for f in dataclasses.fields(Policy)]
+  assert names == ["param_dtype", "compute_dtype", "output_dtype",
+                   "matmul_format"]
+  assert Policy(jnp.float32, jnp.bfloat16, jnp.float32).matmul_format is None
+  assert get_policy("c=bf16").matmul_format is None
+
+
+@pytest.mark.parametrize("fmt,spec", FORMAT_SPECS.items())
+def test_a_format_computes_in_bfloat16_and_round_trips(fmt, spec):
+  policy = get_policy(spec)
+  assert policy.compute_dtype is jnp.bfloat16
+  assert policy.matmul_format == fmt
+  assert str(policy) == spec and get_policy(str(policy)) == policy
+  assert pickle.loads(pickle.dumps(policy)) == policy
+  assert Policy(policy.param_dtype, jnp.bfloat16, policy.output_dtype,
+                fmt) == policy
+  assert policy.cast_to_compute(jnp.ones(2)).dtype == BF16
+
+
+@pytest.mark.parametrize("compute", [
+    jnp.float8_e4m3fn, np.dtype(jnp.float8_e4m3fn), "f8", "float8_e4m3fn",
+    "fp8"])
+def test_float8_compute_dtype_is_read_as_the_fp8_format(compute):
+  policy = Policy(jnp.float32, compute, jnp.bfloat16)
+  assert policy.compute_dtype is jnp.bfloat16
+  assert policy.matmul_format == "fp8"
+  assert policy == get_policy("c=f8")
+  assert hash(policy) == hash(get_policy("c=f8"))
+
+
+def test_jmp_policy_with_float8_compute_is_the_fp8_format():
+  converted = get_policy(jmp.Policy(jnp.float32, jnp.float8_e4m3fn,
+                                    jnp.bfloat16))
+  assert converted == get_policy("p=f32,c=f8,o=bf16")
+
+
+def test_equality_and_hash_include_the_format():
+  plain = Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16)
+  policies = [plain] + [Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, f)
+                        for f in FORMAT_SPECS]
+  assert len(set(policies)) == len({hash(p) for p in policies}) == 5
+  assert all(p != plain for p in policies[1:])
+
+
+def test_unknown_matmul_format_lists_the_allowed_ones():
+  with pytest.raises(ValueError) as info:
+    Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, "mxfp6")
+  assert str(info.value) == (
+      "Unknown Policy.matmul_format 'mxfp6': expected None (matmuls compute "
+      "in compute_dtype) or one of 'fp8', 'mxfp8', 'mxfp4', 'nvfp4', 'int8'.")
+
+
+def test_a_format_needs_a_bfloat16_compute_dtype():
+  with pytest.raises(ValueError, match=(
+      "matmul_format 'fp8' computes everything but its matmuls in bfloat16, "
+      "but compute_dtype is float16")):
+    Policy(jnp.float32, jnp.float16, jnp.bfloat16, "fp8")
+
+
+def test_two_different_formats_are_an_error():
+  with pytest.raises(ValueError, match=(
+      "names two matmul formats: 'mxfp8' as its compute_dtype and 'nvfp4' "
+      "as its matmul_format")):
+    Policy(jnp.float32, "mxfp8", jnp.bfloat16, matmul_format="nvfp4")
+  assert Policy(jnp.float32, "mxfp8", jnp.bfloat16,
+                matmul_format="mxfp8") == get_policy("c=mxfp8")
+
+
+def test_copies_keep_the_format_until_the_compute_dtype_changes():
+  policy = get_policy("p=f32,c=nvfp4,o=bf16")
+  assert str(policy.with_output_dtype(jnp.float32)) == "p=f32,c=nvfp4,o=f32"
+  assert str(dataclasses.replace(policy, param_dtype=jnp.bfloat16)) == (
+      "p=bf16,c=nvfp4,o=bf16")
+  with pytest.raises(ValueError, match="or matmul_format=None for matmuls"):
+    dataclasses.replace(policy, compute_dtype=jnp.float16)
+  assert str(dataclasses.replace(policy, compute_dtype=jnp.float16,
+                                 matmul_format=None)) == "p=f32,c=f16,o=bf16"
+  assert str(dataclasses.replace(policy, matmul_format="mxfp8")) == (
+      "p=f32,c=mxfp8,o=bf16")
 
 
 # --- Casting ------------------------------------------------------------------

@@ -133,11 +133,13 @@ def test_explain_reports_every_block(model):
       for l in ("linear", "linear_1")) + ["linear"], dots
 
 
-def test_block_formats_are_not_shared(model):
-  """Block-format recipes draw random keys by a matmul's place: each layer
+@pytest.mark.parametrize("fmt", ["mxfp8", "int8"])
+def test_quantized_formats_are_not_shared(model, fmt):
+  """Block-format recipes draw random keys by a matmul's place, and an
+  int8 export stores each weight where its matmul reads it: each layer
   must be interpreted on its own."""
   f, params = model
-  with mpolicy.push_policy(hk.Module, "p=f32,c=mxfp8,o=f32"):
+  with mpolicy.push_policy(hk.Module, f"p=f32,c={fmt},o=f32"):
     jaxpr = _program(f, params).jaxpr
   assert not _calls(jaxpr)
 

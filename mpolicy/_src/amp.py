@@ -13,6 +13,7 @@ from collections.abc import Callable
 import contextlib
 import dataclasses
 import functools
+import inspect
 from typing import Any, Optional
 
 import jax
@@ -31,6 +32,47 @@ from mpolicy._src import regions
 
 AMP_ATTRIBUTE = "__mpolicy_amp__"
 """Set on every interpreted function: ``(policy, rules)``."""
+
+RUN_ATTRIBUTE = "__mpolicy_run__"
+"""Set on every interpreted function: ``run(env, *args, **kwargs)`` runs it
+once, traced, with ``env`` (an `environment.Env`) as its top environment."""
+
+
+class _AtStep:
+  """An interpreted function's ``at_step``: ``f.at_step(step)`` is ``f``
+  with ``step`` (an integer scalar, traced or not) folded into the keys of
+  its block matmuls (the NVFP4 recipe's randomness, `blocks.recipe`)."""
+
+  def __init__(self, owner, call):
+    self.owner, self._call = owner, call
+
+  def __call__(self, step):
+    return functools.wraps(self.owner)(
+        lambda *args, **kwargs: self._call(args, kwargs, step))
+
+
+def with_step(fn: Callable[..., Any], step: Any) -> Callable[..., Any]:
+  """``fn`` called at ``step``: ``fn.at_step(step)`` if ``fn`` is an
+  interpreted function itself (not a wrapper that copied its attributes);
+  ``fn`` with ``step=step`` if it has a keyword-only ``step`` parameter (a
+  loss that calls interpreted models, which passes it on with their
+  ``at_step``); else ``fn``."""
+  at = getattr(fn, "at_step", None)
+  if isinstance(at, _AtStep) and at.owner is fn:
+    return fn if step is None else at(step)
+  if takes_step(fn):
+    return functools.partial(fn, step=step)
+  return fn
+
+
+def takes_step(fn: Callable[..., Any]) -> bool:
+  """Whether ``fn`` has a keyword-only parameter named ``step``."""
+  try:
+    parameter = inspect.signature(fn).parameters.get("step")
+  except (TypeError, ValueError):
+    return False
+  return (parameter is not None
+          and parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _is_array_leaf(x) -> bool:
@@ -176,8 +218,9 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   # Framework objects updated in place (Flax NNX) go in and out as state.
   objects = frameworks.ObjectArguments()
 
-  def run(static: _Static, arrays: list):
-    return _run_call(fn, config, pol, cast_outputs, static, arrays, objects)
+  def run(static: _Static, arrays: list, step=None, env=None):
+    return _run_call(fn, config, pol, cast_outputs, static, arrays, objects,
+                     step, env)
 
   # The eager cache. Called outside any transformation, the interpreted
   # program is compiled once per signature by this `jax.jit` rather than
@@ -185,23 +228,34 @@ def interpret(fn: Callable[..., Any], *, policy=None,
   # JAX's cache key (see `registry`), so a change of it retraces.
   compiled = jax.jit(run, static_argnums=0)
 
-  @functools.wraps(fn)
-  def interpreted(*args, **kwargs):
+  def call(args, kwargs, step):
     with objects.outside((args, kwargs)) as (pure, finish):
       static, arrays = split_arguments((pure,), {})
-      eager = not any(isinstance(x, jax_compat.Tracer) for x in arrays)
+      eager = not any(isinstance(x, jax_compat.Tracer) for x in [*arrays, step])
       if eager and static.hashable():
-        return finish(compiled(static, arrays))
-      return finish(run(static, arrays))  # Under a transformation.
+        return finish(compiled(static, arrays, step))
+      return finish(run(static, arrays, step))  # Under a transformation.
+
+  @functools.wraps(fn)
+  def interpreted(*args, **kwargs):
+    return call(args, kwargs, None)
+
+  def run_in(env, *args, **kwargs):
+    with objects.outside((args, kwargs)) as (pure, finish):
+      return finish(run(*split_arguments((pure,), {}), None, env))
 
   setattr(interpreted, AMP_ATTRIBUTE, (pol, rules))
+  setattr(interpreted, RUN_ATTRIBUTE, run_in)
+  interpreted.at_step = _AtStep(interpreted, call)  # type: ignore[attr-defined]
   return interpreted
 
 
 def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
               static: _Static, arrays: list,
-              objects: frameworks.ObjectArguments):
-  """One call of an interpreted ``fn``: trace, interpret, cast outputs.
+              objects: frameworks.ObjectArguments, step=None, env=None):
+  """One call of an interpreted ``fn``: trace, interpret, cast outputs;
+  ``step`` is folded into the block matmuls' keys (``None``: not); ``env``
+  is the top environment (a new `environment.Env` if ``None``).
 
   Returns ``(states, output)`` as `ObjectArguments.inside_done` makes
   them: the state of the framework objects among the arguments (Flax NNX)
@@ -231,7 +285,8 @@ def _run_call(fn, config: interpreter.Config, pol, cast_outputs: bool,
   # values needs).
   closed = _trace_user_fn(flat_fn, [jax_compat.aval_of(a) for a in arrays])
   observe.count_run()
-  env = environment.Env()
+  env = environment.Env() if env is None else env
+  env.step = step
   outs = interpreter.eval_jaxpr(
       closed.jaxpr, closed.consts, arrays,
       dataclasses.replace(config, region_cache={}, shared={}),
@@ -285,7 +340,10 @@ def amp(fn: Callable[..., Any], policy: Any = None, *,
     rules: an `OpRules` table; `DEFAULT_RULES` if ``None``.
 
   Returns:
-    A function with ``fn``'s signature. Non-array arguments (Python scalars,
+    A function with ``fn``'s signature; its ``at_step(step)`` is the same
+    function with ``step`` (an integer scalar, traced or not) folded into
+    the keys of its block matmuls (`make_train_step` passes the optimizer's
+    count). Non-array arguments (Python scalars,
     bools, strings, None) are passed through as static values; arguments of
     different types (``2`` and ``2.0``, ``1`` and ``True``) are never
     mistaken for each other. An output that is not an array, a Python

@@ -15,11 +15,17 @@ batch is split over. The helpers keep three promises across devices:
   gradients stay per device, and `average_grads` sums them in
   `reduce_dtype`. Over a data axis that some parameter is sharded over
   (FSDP), JAX's AD sums (the transpose of the user's `all_gather` is a
-  reduce-scatter in the gradient's dtype) and the sum is only divided.
+  reduce-scatter, in `reduce_dtype` by `summed_in`) and the sum is only
+  divided.
   With `check_vma=False` JAX does not record which gradients it summed:
   FSDP needs `check_vma=True`, and a mesh with axes besides the data axes
   is refused. Real floating leaves are averaged in `reduce_dtype`, complex
   ones in their own dtype, other leaves not at all.
+* The sums JAX's AD places in the backward pass (the reduce-scatter of an
+  `all_gather`, the `psum` of a `pvary`) run in `reduce_dtype` too
+  (`summed_in`): amp-ed collectives transpose in it wherever they are,
+  and the others where the loss itself holds them; one inside a `jit`,
+  `scan` or other construct of the loss that amp did not run is refused.
 * The finiteness flag is agreed over *every* axis bound where the step is
   traced (data and model axes alike), so all devices skip together and the
   loss scale stays the same everywhere.
@@ -37,6 +43,7 @@ import numpy as np
 
 from mpolicy._src import dtypes
 from mpolicy._src import jax_compat
+from mpolicy._src.rules import collectives
 
 PyTree = Any
 
@@ -275,3 +282,68 @@ def vary_like(tree: PyTree, fn: Any, *args: Any) -> PyTree:
   return jax.tree_util.tree_unflatten(treedef, [
       jax_compat.make_varying(x, tuple(sorted(v, key=str)))
       for x, v in zip(leaves, vmas)])
+
+
+# What each sum of the backward pass transposes (JAX's AD writes them).
+_SUMMED = {"reduce_scatter": "a reduce-scatter (the transpose of an "
+                             "all_gather)",
+           "psum_invariant": "a psum (the transpose of the pvary JAX puts "
+                             "where a replicated value meets varying ones)",
+           "psum": "a psum (the transpose of a psum)"}
+
+
+def summed_in(grad: Any, reduce_dtype: Any, where: str) -> Any:
+  """`grad` (`(loss_scale, *args, **kwargs) -> (grads, loss, aux)`) with
+  the sums across devices of its backward pass in `reduce_dtype`.
+
+  It is differentiated inside `collectives.gradient_sums_in`, so amp-ed
+  collectives transpose in `reduce_dtype`, and traced to a jaxpr that is
+  run here with each narrower backward sum left cast up, summed and cast
+  back. One inside a sub-computation (a `jit`, `scan`, ... of the loss
+  that amp did not run) cannot be changed: a ValueError says so.
+  """
+  if reduce_dtype is None:
+    return grad
+  wide = np.dtype(reduce_dtype)
+
+  def narrower(dtype) -> bool:
+    return dtypes.is_float(dtype) and dtype.itemsize < wide.itemsize
+
+  def narrow_sum(eqn, transforms) -> bool:
+    return ("transpose" in transforms and eqn.primitive.name in _SUMMED
+            and any(narrower(dtypes.aval_dtype(v.aval)) for v in eqn.invars))
+
+  def refuse_nested(closed) -> None:
+    nested = jax_compat.hijax.find_nested(closed, narrow_sum)
+    if nested is not None:
+      eqn, found = nested
+      raise ValueError(
+          f"{where}: reduce_dtype={wide.name} cannot be honoured for "
+          f"{_SUMMED[found.primitive.name]} of "
+          f"{dtypes.aval_dtype(found.invars[0].aval).name} gradients that "
+          "JAX's differentiation places inside the loss's "
+          f"{eqn.primitive.name!r}, which mpolicy.amp did not run. Run the "
+          "code holding the collective under mpolicy.amp (its transposes "
+          "then sum in reduce_dtype wherever they are) or outside the "
+          f"{eqn.primitive.name!r}; or pass reduce_dtype=None (each sum in "
+          "the gradient's dtype).")
+
+  def rebind(eqn, invals):
+    """Outside the loss's constructs, a narrower backward sum in `wide`."""
+    if not narrow_sum(eqn, jax_compat.eqn_transforms(eqn)):
+      return None
+    outs = jax_compat.bind(eqn.primitive, [
+        x.astype(wide) if narrower(dtypes.dtype_of(x)) else x
+        for x in invals], eqn.params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    return [o.astype(dtypes.aval_dtype(v.aval))
+            for o, v in zip(outs, eqn.outvars)]
+
+  def summed(*args, **kwargs):
+    with collectives.gradient_sums_in(wide):
+      closed, arrays, finish = jax_compat.hijax.trace_rule(
+          lambda a, k: grad(*a, **k), (args, kwargs))
+    refuse_nested(closed)
+    return finish(jax_compat.hijax.eval_rebinding(closed, arrays, rebind))
+
+  return summed

@@ -52,7 +52,15 @@ class Env:
     # Variables read only by `full` ops (they keep float32 results).
     self.full_only: set[Any] = set()
     self.places = [0]  # Next block matmul's place; shared with sub-jaxprs.
+    self.step = None  # The training step, folded into block matmuls' keys.
+    # What an export tells the int8 matmuls and learns from them (an
+    # `int8_matmul.Weights`; this jaxpr's only, not its sub-jaxprs').
+    self.int8: Any = None
     self.inserted = 0
+
+  def keys_from(self, outer: "Env") -> None:
+    """Shares ``outer``'s block matmul places and step (a sub-jaxpr's)."""
+    self.places, self.step = outer.places, outer.step
 
   def mark_param(self, x) -> None:
     """Records ``x`` as a parameter or input."""
@@ -91,7 +99,10 @@ class Env:
   def read(self, var):
     if isinstance(var, jax_compat.Literal):
       return var.val
-    return self.values[var]
+    value = self.values[var]
+    if self.int8 is not None:
+      self.int8.read(value)
+    return value
 
   def cast(self, x, dtype):
     """``x`` as ``dtype``, made at most once per (value, dtype)."""

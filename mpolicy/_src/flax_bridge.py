@@ -44,7 +44,7 @@ from mpolicy._src import regions
 def _field_overrides(module: nn.Module,
                      policy: policy_lib.Policy) -> dict[str, Any]:
   """The ``dtype``/``param_dtype`` field values the policy gives a module."""
-  wanted = {"dtype": policy_lib.elementwise_dtype(policy),
+  wanted = {"dtype": policy.compute_dtype,
             "param_dtype": policy.param_dtype}
   names = {f.name for f in dataclasses.fields(module)}
   overrides = {}

@@ -1,8 +1,9 @@
-"""What float8 and block-format quantization loses, measured on a probe batch.
+"""What float8, block-format and int8 quantization loses, measured on a
+probe batch.
 
 `fp8_stats` runs a function once forward and backward, watching the
-interpreter through its seam (`observe`): the rule of each float8 or
-block-format matmul and convolution tells the seam of every value it
+interpreter through its seam (`observe`): the rule of each float8,
+block-format or int8 matmul and convolution tells the seam of every value it
 quantizes (its operands forward, its cotangent backward), and the counter
 here adds up, per op, role and format, the values that underflowed to zero
 and that saturated, and the range of the scales used.
@@ -45,7 +46,7 @@ class Counts:
       format, the blocks' scales; nvfp4's times its tensor scale).
     calls: how many quantizations were counted.
     format: the format: ``"float8_e4m3fn"``, ``"float8_e5m2"``,
-      ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
+      ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"`` or ``"int8"``.
   """
   values: int = 0
   nonzero: int = 0
@@ -86,6 +87,18 @@ def _float8_stats(qz: observe.Quantization) -> tuple:
           jnp.min(qz.scale), jnp.max(qz.scale))
 
 
+def _int8_stats(qz: observe.Quantization) -> tuple:
+  """An element underflows if nonzero but quantized to zero, is clipped if
+  its quotient by its scale rounds beyond +-127 (or is not finite)."""
+  x = qz.x.astype(jnp.float32)
+  nonzero = x != 0
+  clipped = ~(jnp.abs(jnp.round(x / qz.scale)) <= qz.fmax)
+  return (jnp.asarray(x.size, jnp.int32), jnp.sum(nonzero, dtype=jnp.int32),
+          jnp.sum(nonzero & (qz.q == 0), dtype=jnp.int32),
+          jnp.sum(clipped | ~jnp.isfinite(x), dtype=jnp.int32),
+          jnp.nanmin(qz.scale), jnp.nanmax(qz.scale))
+
+
 def _block_stats(qz: observe.Quantization) -> tuple:
   """An element underflows if nonzero but quantized to zero, saturates if
   clamped at the format's largest element after its block's scale (or not
@@ -117,8 +130,12 @@ class _Counter(observe.Observer):
   def quantized(self, op: observe.QuantizedOp,
                 quantization: observe.Quantization) -> None:
     counts = self.ops.setdefault(id(op), (op, {}))[1]
-    stats = (_float8_stats if quantization.q is not None else _block_stats)(
-        quantization)
+    if quantization.fmt == "int8":
+      stats = _int8_stats(quantization)
+    elif quantization.q is not None:
+      stats = _float8_stats(quantization)
+    else:
+      stats = _block_stats(quantization)
     jax.debug.callback(functools.partial(
         _collect, counts, quantization.role, quantization.fmt), *stats)
 
@@ -217,8 +234,9 @@ def fp8_stats(fn: Callable[..., Any], *args: Any,
   lost.
 
   ``fn`` is an `amp`-ed function (or `transform_amp`'s ``apply``) under a
-  float8 policy (``c=f8``) or a block format (``c=mxfp8``, ``c=mxfp4``,
-  ``c=nvfp4``). The forward pass quantizes each op's operands,
+  float8 policy (``c=f8``), a block format (``c=mxfp8``, ``c=mxfp4``,
+  ``c=nvfp4``) or int8 (``c=int8``). The forward pass quantizes each op's
+  operands,
   the backward pass (the gradient of the sum of ``fn``'s floating outputs
   with respect to its floating array arguments: pass your loss function to
   see the cotangents training sees) its cotangent. For each, the report
@@ -227,7 +245,10 @@ def fp8_stats(fn: Callable[..., Any], *args: Any,
   (non-finite values included), and the smallest and largest scale. Under
   a block format the cotangent is quantized twice (once per backward
   matmul; two calls), the scales are the blocks', and the counts are those
-  of rounding to nearest. Counts add up over every call of an op (inside a
+  of rounding to nearest. Under int8 only the operands are quantized (the
+  backward pass is bfloat16's), with one scale per row or output channel,
+  and a value counts as clipped if it rounds beyond +-127 after its scale
+  or is not finite. Counts add up over every call of an op (inside a
   loop, say). The program is compiled with `jax.jit` and runs for real,
   once, with extra reductions and host callbacks; a later call of ``fn``
   compiles without them.
@@ -277,5 +298,5 @@ def fp8_stats(fn: Callable[..., Any], *args: Any,
                for op, counts in counter.ops.values())
   note = "" if rows else (
       "no float8 op ran: is fn amp-ed under a policy whose compute dtype is "
-      "f8 or a block format (mxfp8, mxfp4, nvfp4)?")
+      "f8, a block format (mxfp8, mxfp4, nvfp4) or int8?")
   return Fp8Report(rows, note)

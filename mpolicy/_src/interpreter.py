@@ -160,7 +160,7 @@ class Scope:
     def interpret(*args):
       env = Env()
       env.arg_params, env.arg_consts = arg_params, arg_consts
-      env.places = self._env.places
+      env.keys_from(self._env)
       if cast_inputs_to is not None:
         args = [env.cast(a, d.dtype) if dtypes.float_value((a)) else a
                 for a, d in zip(args, cast_inputs_to)]
@@ -381,7 +381,8 @@ class Sharing(Rules):
       return False
 
     def evaluate(inner: Env, run: repeats.Repeat) -> list:
-      inner.full_only, inner.places = env.full_only, env.places
+      inner.full_only = env.full_only
+      inner.keys_from(env)
       here = jax_compat.current_name_stack()
       for eqn in jaxpr.eqns[run.start:run.end]:
         _eval_eqn(inner, eqn, config, prefix, here, drop=run.depth)
@@ -559,8 +560,7 @@ class Stepper:
                      else (sub, []))
     mode = self._mode
     inner = dataclasses.replace(
-        mode, transforms=mode.transforms + jax_compat.eqn_transforms(
-            self.eqn),
+        mode, transforms=mode.transforms + jax_compat.eqn_transforms(self.eqn),
         iteration=mode.iteration if iteration is None else iteration,
         traced=mode.traced or traced,
         outs_read=tuple(self.outs_read if outs_read is None else outs_read))

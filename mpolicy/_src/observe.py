@@ -151,11 +151,11 @@ class Quantization:
 
   Attributes:
     role: ``"lhs"``, ``"rhs"`` (forward operands) or ``"cotangent"``.
-    fmt: the format: a float8 dtype's name (``"float8_e4m3fn"``) or a block
-      format's (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``).
+    fmt: the format: a float8 dtype's name (``"float8_e4m3fn"``), a block
+      format's (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) or ``"int8"``.
     x: the values quantized (traced).
-    q, scale, fmax: float8: the quantized values, their scale
-      (``x ~= q * scale``) and the dtype's largest value.
+    q, scale, fmax: float8 and int8: the quantized values, their scale
+      (``x ~= q * scale``) and the largest value (448, 127).
     axis, two_d: block formats: the blocked axis; 16 x 16 tiles.
   """
   role: str
@@ -222,6 +222,7 @@ class _State(threading.local):
   observers: tuple[Observer, ...] = ()
   open: tuple[Equation, ...] = ()
   runs: int = 0
+  unstepped: int = 0
   sites: Optional[dict[str, QuantizedOp]] = None
 
 
@@ -359,6 +360,18 @@ def shared(scopes: tuple[str, ...]) -> None:
 def count_run() -> None:
   """Notes that interpreted code was traced (see `interpreter_ran`)."""
   _state.runs += 1
+
+
+def drew_without_step() -> None:
+  """Notes that a block matmul drawing random numbers (stochastic rounding,
+  the Hadamard signs) was traced without a step count (see `unstepped`)."""
+  _state.unstepped += 1
+
+
+def unstepped() -> int:
+  """How many random block matmuls were traced without a step so far (this
+  thread): `make_train_step` warns when its loss traced one."""
+  return _state.unstepped
 
 
 def interpreter_ran() -> bool:

@@ -1,25 +1,26 @@
 """Mixed precision policies: which dtype parameters, compute and outputs use.
 
-A `Policy` is three dtypes and three casts. `get_policy` parses policy
-strings (`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
+A `Policy` is three dtypes and three casts, and optionally the format its
+matmuls are quantized to. `get_policy` parses policy strings
+(`"p=f32,c=bf16,o=f32"`), and `str(policy)` writes them back.
 
-The compute dtype may also be float8 (`float8_e4m3fn`, written `f8`): then
-matmuls and convolutions run in float8 with per-tensor scales (see `rules.fp8_scaling`),
-and everything else runs as under a bfloat16 compute dtype
-(`elementwise_dtype`). The block-scaled formats `mxfp8`, `mxfp4` and
-`nvfp4` are compute dtypes too (a `BlockFormat` in `compute_dtype`): they
-go where float8 goes, quantized in blocks (see `blocks.quantize`).
+A quantized matmul format (`c=f8`, `c=mxfp8`, ...) is held apart, in
+`Policy.matmul_format`; everything else computes in `compute_dtype`,
+bfloat16 (see `rules.fp8_scaling`, `blocks.quantize`).
 
 >>> policy = get_policy("p=f32,c=bf16,o=f32")
 >>> policy.cast_to_compute({"x": jnp.ones(2)})["x"].dtype
 dtype(bfloat16)
+>>> policy = get_policy("c=mxfp8")
+>>> policy.compute_dtype == jnp.bfloat16, policy.matmul_format
+(True, 'mxfp8')
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, TYPE_CHECKING, TypeVar
+from typing import Any, Optional, TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +53,24 @@ _KEYS = {"p": "param", "params": "param",
          "o": "output", "output": "output"}
 
 _VALID_KEYS = "params|p, compute|c, output|o"
-_VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, "
-                 "f64|float64, f8|float8|e4m3|float8_e4m3fn (compute only), "
-                 f"{'|'.join(block_formats.NAMES)} (block-scaled, compute only)")
+# The quantized matmul formats (`Policy.matmul_format`), each with the names
+# the grammar reads it by as a compute dtype; `str` writes the first.
+MATMUL_FORMATS: dict[str, tuple[str, ...]] = {
+    "fp8": ("f8", "float8", "e4m3", "float8_e4m3fn"),
+    **{name: (name,) for name in block_formats.NAMES},
+    "int8": ("int8",),
+}
+_FORMAT_OF_NAME = {name: fmt for fmt, names in MATMUL_FORMATS.items()
+                   for name in (fmt, *names)}
 
-# The float8 compute dtype, and the dtype every op other than a matmul or a
-# convolution runs in under it.
+# The dtype every op but the quantized matmuls computes in under a format.
+FORMAT_COMPUTE = jnp.bfloat16
+# The float8 dtype `fp8` quantizes matmul operands to.
 FP8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
-_FP8_ELEMENTWISE = np.dtype(jnp.bfloat16)
+
+_VALID_DTYPES = ("full|f32|float32, half, bf16|bfloat16, f16|float16, f64|"
+                 "float64, " + ", ".join("|".join(names) for names in MATMUL_FORMATS.values())
+                 + " (quantized matmul formats, compute only)")
 
 
 def is_fp8(dtype: Any) -> bool:
@@ -75,10 +86,8 @@ def is_fp8(dtype: Any) -> bool:
   >>> is_fp8(jnp.float8_e4m3fn), is_fp8(jnp.bfloat16)
   (True, False)
 
-  A block format (`mxfp8`, `mxfp4`, `nvfp4`) counts as float8: its
-  ``dtype`` is float8_e4m3fn, and it goes where float8 goes.
-
-  See also: `elementwise_dtype`.
+  It is a test of a dtype, not of a policy: whether a policy quantizes
+  its matmuls is `Policy.matmul_format`.
   """
   try:
     dt = np.dtype(dtype)
@@ -88,15 +97,11 @@ def is_fp8(dtype: Any) -> bool:
 
 
 def elementwise_dtype(policy: Policy) -> np.dtype:
-  """The dtype `policy` computes in outside matmuls and convolutions.
+  """The dtype `policy` computes in outside matmuls: its compute dtype.
 
-  Args:
-    policy: a `Policy`.
-
-  Returns:
-    The compute dtype as an `np.dtype`, except under a float8 policy, where
-    it is bfloat16: float8 is only for the scaled matmuls and convolutions,
-    and a float8 copy of an activation without its scale would lose it.
+  Kept for older code: `Policy.compute_dtype` is always a dtype values are
+  computed in (bfloat16 under a matmul format), so this is
+  ``np.dtype(policy.compute_dtype)``.
 
   >>> str(elementwise_dtype(get_policy("p=f32,c=f8,o=bf16")))
   'bfloat16'
@@ -105,8 +110,7 @@ def elementwise_dtype(policy: Policy) -> np.dtype:
 
   See also: `Policy.cast_to_compute`, which casts to this dtype.
   """
-  compute = np.dtype(policy.compute_dtype)
-  return _FP8_ELEMENTWISE if is_fp8(compute) else compute
+  return np.dtype(policy.compute_dtype)
 
 
 def is_float_array(x: Any) -> bool:
@@ -144,8 +148,6 @@ def dtype_name(dtype: Any) -> str:
 
   See also: `get_policy`, which reads these names back.
   """
-  if isinstance(dtype, block_formats.BlockFormat):
-    return dtype.name
   dt = np.dtype(dtype)
   return _SHORT_NAME.get(dt, dt.name)
 
@@ -162,15 +164,38 @@ def _cast_floating(tree: T, dtype: Any) -> T:
   return jax.tree_util.tree_map(cast, tree)
 
 
-def _as_float_dtype(value: Any, field: str) -> np.dtype:
+def _format_in(value: Any) -> Optional[str]:
+  """The matmul format ``value`` names as a compute dtype (a grammar or
+  format name, a `BlockFormat`, float8_e4m3fn), else ``None``."""
   if isinstance(value, block_formats.BlockFormat):
-    if field != "compute_dtype":
-      raise ValueError(
-          f"Policy.{field} cannot be {value.name}: a block-scaled format is "
-          "only a compute dtype (its values need their block scales, which "
-          f"stored params and outputs would not carry). Use e.g. "
-          f"'p=f32,c={value.name},o=bf16'.")
-    return value.dtype
+    return value.name
+  if isinstance(value, str):
+    return _FORMAT_OF_NAME.get(value)
+  try:
+    return "fp8" if np.dtype(value) == FP8_COMPUTE else None
+  except TypeError:
+    return None
+
+
+def _as_format(value: Any) -> Optional[str]:
+  """``Policy.matmul_format`` checked: ``None`` or a format's name."""
+  if isinstance(value, block_formats.BlockFormat):
+    value = value.name
+  if value is None or (isinstance(value, str) and value in MATMUL_FORMATS):
+    return value
+  allowed = ", ".join(repr(n) for n in MATMUL_FORMATS)
+  raise ValueError(f"Unknown Policy.matmul_format {value!r}: expected None "
+                   f"(matmuls compute in compute_dtype) or one of {allowed}.")
+
+
+def _as_float_dtype(value: Any, field: str) -> np.dtype:
+  fmt = _format_in(value)
+  if fmt is not None and isinstance(value, (str, block_formats.BlockFormat)):
+    raise ValueError(
+        f"Policy.{field} cannot be {value}: a quantized matmul format is "
+        "only a compute dtype (its values need their scales, which stored "
+        f"params and outputs would not carry). Use e.g. "
+        f"'p=f32,c={MATMUL_FORMATS[fmt][0]},o=bf16'.")
   try:
     dt = np.dtype(value)
   except TypeError as e:
@@ -178,7 +203,7 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype:
                     f"got {value!r}.") from e
   if not jnp.issubdtype(dt, jnp.floating):
     raise ValueError(f"Policy.{field} must be a floating dtype, got {dt.name}.")
-  if is_fp8(dt) and (field != "compute_dtype" or dt != FP8_COMPUTE):
+  if is_fp8(dt):
     raise ValueError(
         f"Policy.{field} cannot be {dt.name}: float8 is only a compute dtype, "
         "and only float8_e4m3fn (matmul operands need a per-tensor scale, "
@@ -194,24 +219,36 @@ class Policy:
   The fields keep the dtype objects they were given (`jnp.bfloat16`,
   `np.float16`, `np.dtype("float32")`, ...), so
   `policy.compute_dtype == jnp.bfloat16` reads naturally. Equality and hash
-  compare the dtypes themselves: `Policy(np.float32, ...)` equals
-  `Policy(jnp.float32, ...)`. A `jmp.Policy` is a different type and never
-  equal; convert it with `get_policy`.
+  compare the dtypes themselves (and the matmul format):
+  `Policy(np.float32, ...)` equals `Policy(jnp.float32, ...)`. A
+  `jmp.Policy` is a different type and never equal; convert it with
+  `get_policy`.
 
   The casts touch only floating-point array leaves (numpy or JAX arrays);
   ints, bools, integer arrays, Python scalars, None and other objects pass
   through unchanged. A numpy leaf stays a numpy array.
 
+  A quantized matmul format is no dtype values are computed in, so it is
+  a field of its own, `matmul_format`, and `compute_dtype` is what every
+  other op computes in, bfloat16 (`nn.Dense(dtype=policy.compute_dtype)`
+  computes in bfloat16, not in unscaled float8). `c=f8` too: format
+  ``"fp8"`` (`explain` reports its matmuls as run in float8_e4m3fn). A
+  format given as the compute dtype (``jnp.float8_e4m3fn``, ``"mxfp8"``, a
+  `BlockFormat`) is read as bfloat16 with that format. `dataclasses.replace`
+  and `with_output_dtype` keep the format; a compute dtype other than
+  bfloat16 with it is an error (pass ``matmul_format=None`` too).
+
   Attributes:
     param_dtype: the dtype parameters are created and stored in.
-    compute_dtype: the dtype computation runs in; float8 (`float8_e4m3fn`)
-      only here.
+    compute_dtype: the dtype computation runs in (bfloat16 under a format).
     output_dtype: the dtype outputs are cast to.
+    matmul_format: the quantized matmul format, or ``None``.
 
   Raises:
     TypeError: a field is not a dtype.
-    ValueError: a field is not a floating dtype, or a float8 dtype other
-      than a `float8_e4m3fn` compute dtype.
+    ValueError: a field is not a floating dtype, a float8 dtype other
+      than a `float8_e4m3fn` compute dtype, an unknown format, a format
+      with a compute dtype other than bfloat16, or two different formats.
 
   >>> import jax.numpy as jnp
   >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
@@ -225,22 +262,37 @@ class Policy:
   param_dtype: Any
   compute_dtype: Any
   output_dtype: Any
+  matmul_format: Optional[str] = None
+  """``"fp8"``, ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``: what the matmuls
+  the float8 placement picks are quantized to; ``None``: matmuls compute in
+  ``compute_dtype``. `str` writes it as the compute dtype (``c=mxfp8``)."""
   if TYPE_CHECKING:  # Set by __post_init__.
     _dtypes: tuple = dataclasses.field(init=False)
     _hash: int = dataclasses.field(init=False)
 
   def __post_init__(self):
-    if isinstance(self.compute_dtype, str) and (
-        self.compute_dtype in block_formats.FORMATS):
-      object.__setattr__(self, "compute_dtype",
-                         block_formats.FORMATS[self.compute_dtype])
+    fmt = _as_format(self.matmul_format)
+    named = _format_in(self.compute_dtype)
+    if named is not None:
+      if fmt is not None and fmt != named:
+        raise ValueError(
+            f"Policy names two matmul formats: {named!r} as its compute_dtype "
+            f"and {fmt!r} as its matmul_format. Give one, as matmul_format, "
+            f"with compute_dtype=jnp.bfloat16.")
+      fmt = named
+      object.__setattr__(self, "compute_dtype", FORMAT_COMPUTE)
+    object.__setattr__(self, "matmul_format", fmt)
     key = tuple(_as_float_dtype(getattr(self, field), field)
                 for field in ("param_dtype", "compute_dtype", "output_dtype"))
-    # A block format's dtype is float8_e4m3fn: its name tells c=mxfp8 from
-    # c=f8 (and from each other).
-    key += (block_formats.format_of(self.compute_dtype),)
+    if fmt is not None and key[1] != FORMAT_COMPUTE:
+      raise ValueError(
+          f"Policy.matmul_format {fmt!r} computes everything but its "
+          f"matmuls in bfloat16, but compute_dtype is {key[1].name}. Use "
+          f"compute_dtype=jnp.bfloat16, or matmul_format=None for matmuls "
+          f"in {key[1].name}.")
     # The dtypes, normalised once: a deep model compares and hashes its
     # policies tens of thousands of times per trace.
+    key += (fmt,)
     object.__setattr__(self, "_dtypes", key)
     object.__setattr__(self, "_hash", hash(key))
 
@@ -259,16 +311,19 @@ class Policy:
 
   def __reduce__(self):  # Rebuilt by the constructor (a hash is per process).
     return (type(self), (self.param_dtype, self.compute_dtype,
-                         self.output_dtype))
+                         self.output_dtype, self.matmul_format))
 
   def __repr__(self):
     p, c, o = (dt.name for dt in self._key())
-    c = dtype_name(self.compute_dtype) if self._dtypes[3] else c
-    return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o})"
+    fmt = ("" if self.matmul_format is None
+           else f", matmul_format={self.matmul_format!r}")
+    return (f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o}"
+            f"{fmt})")
 
   def __str__(self):
     p, c, o = (dtype_name(dt) for dt in self._key())
-    c = dtype_name(self.compute_dtype) if self._dtypes[3] else c
+    if self.matmul_format is not None:
+      c = MATMUL_FORMATS[self.matmul_format][0]
     return f"p={p},c={c},o={o}"
 
   def cast_to_param(self, tree: T) -> T:
@@ -285,10 +340,9 @@ class Policy:
   def cast_to_compute(self, tree: T) -> T:
     """Casts the floating array leaves of `tree` to `compute_dtype`.
 
-    Under a float8 policy (`c=f8`) the leaves are cast to bfloat16, the
-    dtype everything but matmuls and convolutions runs in there
-    (`elementwise_dtype`): a float8 copy without its per-tensor scale would
-    lose most values, and the scaled matmuls quantize their own operands.
+    Under a matmul format (`c=f8`, `c=mxfp8`, ...) that is bfloat16: a
+    quantized copy without its scales would lose most values, and the
+    quantized matmuls quantize their own operands.
 
     >>> import jax.numpy as jnp
     >>> get_policy("c=bf16").cast_to_compute((jnp.ones(2), 1.5))[1]
@@ -298,7 +352,7 @@ class Policy:
 
     See also: `Policy.cast_to_param`, `Policy.cast_to_output`.
     """
-    return _cast_floating(tree, elementwise_dtype(self))
+    return _cast_floating(tree, self.compute_dtype)
 
   def cast_to_output(self, tree: T) -> T:
     """Casts the floating array leaves of `tree` to `output_dtype`.
@@ -317,6 +371,8 @@ class Policy:
     >>> import jax.numpy as jnp
     >>> str(get_policy("c=bf16").with_output_dtype(jnp.float32))
     'p=f32,c=bf16,o=f32'
+    >>> str(get_policy("c=mxfp4").with_output_dtype(jnp.float32))
+    'p=f32,c=mxfp4,o=f32'
 
     See also: `dataclasses.replace` for the other fields.
     """
@@ -407,8 +463,8 @@ def cast_to_half(tree: T) -> T:
 def _parse_dtype(name: str, part: str, spec: str) -> Any:
   if name == "half":
     return half_dtype()
-  if name in block_formats.FORMATS:
-    return block_formats.FORMATS[name]
+  if name in _FORMAT_OF_NAME:
+    return _FORMAT_OF_NAME[name]  # A format's name: `Policy` places it.
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
@@ -440,7 +496,7 @@ def _is_jax_float_name(name: str) -> bool:
 def _reject_fp8_storage(name: str, part: str, spec: str):
   raise ValueError(
       f"{name!r} in part {part!r} of policy {spec!r} is only a compute "
-      "dtype (float8 or block-scaled): params and outputs need a dtype that "
+      "dtype (a quantized matmul format): params and outputs need a dtype that "
       "holds values without a scale (e.g. 'p=f32,c=f8,o=bf16'). Valid dtype "
       f"names: {_VALID_DTYPES}; valid keys: {_VALID_KEYS}.")
 
@@ -464,12 +520,15 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   and names are ignored; names are case-sensitive. A key given twice
   (`"p=f16,params=f32"`) is an error.
 
-  `f8|float8|e4m3|float8_e4m3fn` is a compute dtype only (`c=f8`): matmuls
-  and convolutions then run in float8 with per-tensor scales, everything
-  else in bfloat16, and an unset output is bfloat16. `str` writes it `f8`.
-  So are the block-scaled formats `mxfp8`, `mxfp4` and `nvfp4`: the matmuls
-  float8 would take run with both operands quantized in blocks along the
-  contracting dimension.
+  The quantized matmul formats are written as compute dtypes only and
+  become `Policy.matmul_format`, with bfloat16 as the compute dtype (and
+  as an unset output): `f8|float8|e4m3|float8_e4m3fn` (format ``"fp8"``,
+  `str` writes `f8`): matmuls and convolutions run in float8 with
+  per-tensor scales; the block-scaled `mxfp8`, `mxfp4` and `nvfp4`: the
+  matmuls float8 would take run with both operands quantized in blocks
+  along the contracting dimension; `int8`: they run as int8 x int8
+  products summed in int32 (`blocks.int8`). Everything else computes in
+  bfloat16.
 
   >>> str(get_policy("c=bf16"))
   'p=f32,c=bf16,o=bf16'
@@ -479,6 +538,9 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   'p=f32,c=f8,o=bf16'
   >>> str(get_policy("p=f32,c=nvfp4"))
   'p=f32,c=nvfp4,o=bf16'
+  >>> policy = get_policy("c=f8")
+  >>> str(np.dtype(policy.compute_dtype)), policy.matmul_format
+  ('bfloat16', 'fp8')
 
   Args:
     spec: a policy string, a `Policy` (returned as is) or a `jmp.Policy`
@@ -506,7 +568,7 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   if "=" not in spec:
     name = spec.strip()
     dtype = _parse_dtype(name, name, spec)
-    if is_fp8(dtype):
+    if isinstance(dtype, str):
       _reject_fp8_storage(name, name, spec)
     return Policy(dtype, dtype, dtype)
 
@@ -526,12 +588,12 @@ def get_policy(spec: str | Policy | Any) -> Policy:
           f"Duplicate key in part {part!r} of policy {spec!r}: the "
           f"{field} dtype is already set. Valid keys: {_VALID_KEYS}.")
     chosen[field] = _parse_dtype(pieces[1].strip(), part, spec)
-    if field != "compute" and is_fp8(chosen[field]):
+    if field != "compute" and isinstance(chosen[field], str):
       _reject_fp8_storage(pieces[1].strip(), part, spec)
 
   param = chosen.get("param", jnp.float32)
   compute = chosen.get("compute", param)
-  # Under float8 compute the output follows the dtype non-matmul ops use.
-  output = chosen.get("output", _FP8_ELEMENTWISE if is_fp8(compute)
+  # Under a matmul format the output follows the compute dtype, bfloat16.
+  output = chosen.get("output", FORMAT_COMPUTE if isinstance(compute, str)
                       else compute)
   return Policy(param, compute, output)

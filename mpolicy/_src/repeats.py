@@ -183,9 +183,11 @@ def _keyed(eqns, names, s, e, d, prefix, region_of, full_only, last_read,
     if n not in by_names:
       region = region_of(prefix + n)
       policy = None if region is None else region.policy
-      if policy is not None and isinstance(policy.compute_dtype,
-                                           formats.BlockFormat):
+      if policy is not None and policy.matmul_format in formats.FORMATS:
         raise jax_compat.Unkeyable("block format: keys drawn by place")
+      if policy is not None and policy.matmul_format == "int8":
+        # An export stores a weight in int8 where it reads it: inline.
+        raise jax_compat.Unkeyable("int8: weights found where read")
       by_names[n] = (None if region is None else  # What rules read.
                      (policy, region.full_precision,
                       region.module_class is not None),

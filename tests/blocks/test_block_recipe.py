@@ -1,6 +1,8 @@
 """The NVFP4 recipe in the block matmul: stochastic rounding of gradients,
 the 16x16 Hadamard rotation of the weight gradient, and their keys."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,8 +113,7 @@ def _grad_fn(rules):
   def loss(w1, w2, step):
     f = mpolicy.amp(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2,
                     "p=f32,c=nvfp4,o=f32", rules=rules)
-    with recipe.step_count(step):
-      return jnp.sum(f(x, w1, w2).astype(F32) ** 2)
+    return jnp.sum(f.at_step(step)(x, w1, w2).astype(F32) ** 2)
   w1 = jax.random.normal(jax.random.PRNGKey(1), (32, 32)) * 0.2
   w2 = jax.random.normal(jax.random.PRNGKey(2), (32, 16)) * 0.2
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -268,3 +269,60 @@ def test_each_microbatch_folds_its_index_into_the_keys(monkeypatch):
   jax.make_jaxpr(mpolicy.make_train_step(f, opt, microbatches=2))(
       w, opt.init(w), mpolicy.NoOpLossScale(), x)
   assert folded and set(folded) == {("int32",)}, folded
+
+
+def test_the_step_reaches_the_rules_as_an_argument():
+  # `f.at_step(step)` folds the step into the keys of f's block matmuls, a
+  # sub-jaxpr's included; `make_train_step` calls the amp-ed loss at the
+  # optimizer's count that way (here p - g: a schedule's count, scale -1).
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  f = mpolicy.amp(lambda p, x: jnp.sum(jax.checkpoint(
+      lambda w, x: jnp.tanh(x @ w))(p["w"], x) ** 2), "p=f32,c=nvfp4,o=f32")
+  grad = lambda fn: np.asarray(jax.jit(jax.grad(fn))(w, x)["w"])
+  at5 = grad(f.at_step(5))
+  np.testing.assert_array_equal(at5, jax.jit(lambda s: jax.grad(
+      f.at_step(s))(w, x)["w"])(jnp.int32(5)))
+  assert not np.array_equal(at5, grad(f.at_step(6)))
+  assert not np.array_equal(at5, grad(f))
+  opt = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                    optax.scale(-1.0))
+  step = jax.jit(mpolicy.make_train_step(f, opt))
+  state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
+  new = step(w, state, mpolicy.NoOpLossScale(), x).params["w"]
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(w["w"]) - at5)
+
+
+def test_a_loss_calling_an_amp_ed_model_gets_the_step_or_a_warning():
+  # make_train_step gives a loss with a keyword-only `step` the optimizer's
+  # count, to pass on as `model.at_step(step)`; a loss without one, whose
+  # model draws random numbers, would repeat its draws: it warns.
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  w = {"w": jax.random.normal(jax.random.PRNGKey(1), (32, 16))}
+  model = mpolicy.amp(lambda p, x: jnp.tanh(x @ p["w"]), "p=f32,c=nvfp4,o=f32")
+  at5 = np.asarray(jax.jit(jax.grad(
+      lambda p: jnp.sum(model.at_step(5)(p, x) ** 2)))(w)["w"])
+  opt = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                    optax.scale(-1.0))
+  state = jax.tree.map(lambda v: jnp.asarray(5, v.dtype), opt.init(w))
+
+  def stepped(p, x, *, step):
+    return jnp.sum(model.at_step(step)(p, x) ** 2)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    new = jax.jit(mpolicy.make_train_step(stepped, opt))(
+        w, state, mpolicy.NoOpLossScale(), x).params["w"]
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(w["w"]) - at5)
+
+  unstepped = lambda p, x: jnp.sum(model(p, x) ** 2)
+  with pytest.warns(UserWarning, match=r"keyword-only `step` parameter"):
+    jax.jit(mpolicy.make_train_step(unstepped, opt))(
+        w, state, mpolicy.NoOpLossScale(), x)
+  # A model that draws nothing (mxfp8) needs no step: no warning.
+  plain = mpolicy.amp(lambda p, x: jnp.tanh(x @ p["w"]), "p=f32,c=mxfp8,o=f32")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.jit(mpolicy.make_train_step(
+        lambda p, x: jnp.sum(plain(p, x) ** 2), opt))(
+            w, state, mpolicy.NoOpLossScale(), x)

@@ -41,9 +41,10 @@ def _dot_lines(text):
 
 
 @pytest.mark.parametrize("name", ["f8", "float8", "e4m3", "float8_e4m3fn"])
-def test_f8_names_parse_as_e4m3_compute(name):
+def test_f8_names_parse_as_the_fp8_format(name):
   policy = mpolicy.get_policy(f"p=f32,c={name},o=bf16")
-  assert np.dtype(policy.compute_dtype) == E4M3
+  assert np.dtype(policy.compute_dtype) == BF16
+  assert policy.matmul_format == "fp8"
   assert str(policy) == F8
 
 
@@ -75,7 +76,8 @@ def test_other_float8_compute_dtypes_are_rejected():
 def test_error_messages_list_f8_names():
   with pytest.raises(ValueError) as info:
     mpolicy.get_policy("c=f4")
-  assert "f8|float8|e4m3|float8_e4m3fn (compute only)" in str(info.value)
+  assert "f8|float8|e4m3|float8_e4m3fn, mxfp8" in str(info.value)
+  assert "(quantized matmul formats, compute only)" in str(info.value)
 
 
 def test_half_dtype_is_not_float8():

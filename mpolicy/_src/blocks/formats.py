@@ -5,11 +5,8 @@ power-of-two E8M0 scale each, elements float8_e4m3fn or float4_e2m1fn) and
 `nvfp4` (blocks of 16 float4_e2m1fn elements, a float8_e4m3fn scale per
 block and a float32 scale per tensor).
 
-A `BlockFormat` also stands in a policy's compute dtype (`c=mxfp8`): its
-``dtype`` attribute is float8_e4m3fn for all three, so that code asking
-``np.dtype(policy.compute_dtype)`` treats it like `c=f8` (bfloat16
-everywhere but the matmuls the float8 placement picks); the element dtype
-is ``element_dtype``.
+A policy names a format by its name, in ``Policy.matmul_format``
+(`c=mxfp8`); a `BlockFormat` is no dtype.
 
 >>> fmt = get_format("nvfp4")
 >>> fmt.block_size, fmt.max_elem, fmt.element_dtype.name
@@ -23,12 +20,10 @@ ValueError: Unknown block format 'mxfp9': expected one of 'mxfp8', 'mxfp4', 'nvf
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-
-_FLOAT8 = np.dtype(jnp.float8_e4m3fn)
 
 
 def element_dtype(name: str) -> np.dtype:
@@ -71,11 +66,6 @@ class BlockFormat:
   def element_dtype(self) -> np.dtype:
     return element_dtype(self.element_name)
 
-  @property
-  def dtype(self) -> np.dtype:
-    """float8_e4m3fn: how `np.dtype(fmt)` and the float8 rules see it."""
-    return _FLOAT8
-
   def __str__(self):
     return self.name
 
@@ -86,16 +76,6 @@ FORMATS: dict[str, BlockFormat] = {
     "nvfp4": BlockFormat("nvfp4", "float4_e2m1fn", 16, 6.0, True),
 }
 NAMES = tuple(FORMATS)
-
-
-def format_of(dtype: Any) -> Optional[str]:
-  """The block format's name if ``dtype`` is a `BlockFormat`, else ``None``.
-
-  >>> format_of(FORMATS["mxfp4"]), format_of(np.float32)
-  ('mxfp4', None)
-  """
-  return dtype.name if isinstance(dtype, BlockFormat) else None
-
 
 def get_format(fmt: Any) -> BlockFormat:
   """The `BlockFormat` named ``fmt`` (a name or a `BlockFormat`)."""

@@ -13,7 +13,10 @@ may differ.
 It is used for mxfp8 and nvfp4 (the formats cuDNN's block-scaled dot
 takes, with blocks of 32 and 16) where the contracting dimension is a
 multiple of the block size and the default device is such a GPU
-(`device_supports`); mxfp4 and other shapes are emulated.
+(`device_supports`); mxfp4 and other shapes are emulated. `matmul` is the
+one place that chooses: the emulation (two dequantizations and a float32
+dot) is traced only inside the non-CUDA branch, so a CUDA lowering holds
+the native dot alone.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Optional
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from mpolicy._src.blocks import quantize
 
 NATIVE_FORMATS = ("mxfp8", "nvfp4")
 
@@ -79,12 +84,24 @@ def native_matmul(qa, qb, batched: bool) -> jax.Array:
   return out
 
 
-def matmul(qa, qb, batched: bool, emulated: jax.Array,
-           native: bool) -> jax.Array:
-  """``emulated`` (the product of the dequantized operands), or on CUDA the
-  native dot of the same quantized operands where ``native``."""
-  if not native:
-    return emulated
+def emulated_matmul(qa, qb, batched: bool) -> jax.Array:
+  """The product of ``qa`` and ``qb``'s dequantized (float32) values, as
+  `native_matmul` lays them out, float32 accumulation."""
+  nb = 1 if batched else 0
+  batch = ((0,), (0,)) if batched else ((), ())
+  return lax.dot_general(quantize.dequantize_blocks(qa),
+                         quantize.dequantize_blocks(qb),
+                         (((nb + 1,), (nb,)), batch),
+                         precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+
+
+def matmul(qa, qb, batched: bool) -> jax.Array:
+  """``qa . qb`` (as `native_matmul` takes them), float32: on CUDA the
+  native dot where `usable`, else (and on every other backend) emulated."""
+  emulate = lambda qa, qb: emulated_matmul(qa, qb, batched)
+  if not usable(qa.fmt.name, qa.elements.shape[-1], qa.fmt.block_size):
+    return emulate(qa, qb)
   return lax.platform_dependent(
       qa, qb, cuda=lambda qa, qb: native_matmul(qa, qb, batched),
-      default=lambda qa, qb: emulated)
+      default=emulate)

@@ -5,10 +5,12 @@ operand stochastically and rotate the weight-gradient matmul's operands by
 a random 16 x 16 Hadamard transform (`hadamard_rotate`). Their randomness
 comes from one key per matmul, `op_key`: the rules' ``seed`` option folded
 with the matmul's place in the program (its count among the block matmuls
-of the interpreted program, sub-jaxprs included) and, where a step count is given (`step_count`),
-with it, so that a step is reproducible and steps differ; inside a loop body
-(a `scan`, each microbatch of `make_train_step`) with the iteration
-(`iteration`), so that iterations differ too.
+of the interpreted program, sub-jaxprs included) and, where a step count is
+given (``f.at_step(step)`` of an `amp` function; `make_train_step` passes
+the optimizer's count), with it, so that a step is reproducible and steps
+differ; inside a loop body (a `scan`, each microbatch of
+`make_train_step`) with the iteration (`iteration`), so that iterations
+differ too.
 
 >>> import jax, jax.numpy as jnp
 >>> x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
@@ -32,8 +34,6 @@ import numpy as np
 
 HADAMARD_SIZE = 16
 
-_STEP: contextvars.ContextVar = contextvars.ContextVar(
-    "mpolicy_block_step", default=None)
 _ITERATIONS: contextvars.ContextVar = contextvars.ContextVar(
     "mpolicy_block_iterations", default=())
 
@@ -43,27 +43,6 @@ def _hadamard(n: int) -> np.ndarray:
   while h.shape[0] < n:
     h = np.block([[h, h], [h, -h]])
   return h / np.float32(np.sqrt(n))
-
-
-@contextlib.contextmanager
-def step_count(step: Any) -> Iterator[None]:
-  """Folds ``step`` (an int or an integer scalar, traced or not) into the
-  keys of the block matmuls traced inside (call the model inside it).
-
-  >>> with step_count(3):
-  ...   current_step() is not None
-  True
-  """
-  token = _STEP.set(step)
-  try:
-    yield
-  finally:
-    _STEP.reset(token)
-
-
-def current_step() -> Optional[Any]:
-  """The step count `step_count` set, else ``None``."""
-  return _STEP.get()
 
 
 @contextlib.contextmanager

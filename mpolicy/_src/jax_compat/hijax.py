@@ -381,6 +381,50 @@ def eval_closed(closed: jex_core.ClosedJaxpr, args) -> list:
   return list(jex_core.jaxpr_as_fun(closed)(*args))
 
 
+def eval_rebinding(closed: jex_core.ClosedJaxpr, args, rebind) -> list:
+  """Evaluates ``closed`` on ``args`` where this is called, one equation at
+  a time under its own name stack: ``rebind(eqn, invals)`` returns an
+  equation's outputs, or ``None`` to bind it as it is."""
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  base = _i.current_name_stack()
+  for eqn in closed.jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with _i.eqn_context_under(base, eqn):
+      outs = rebind(eqn, invals)
+      if outs is None:
+        outs = _i.bind(eqn.primitive, invals, eqn.params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    env.update((v, x) for v, x in zip(eqn.outvars, outs)
+               if not isinstance(v, jex_core.DropVar))
+  return [read(v) for v in closed.jaxpr.outvars]
+
+
+def find_nested(closed: jex_core.ClosedJaxpr, pred) -> Optional[tuple]:
+  """``(eqn, found)``: the first equation ``found`` in the sub-jaxprs
+  (nested ones included) of an equation ``eqn`` of ``closed`` for which
+  ``pred(found, transforms)`` holds, else ``None``; ``transforms`` are
+  those on the name stacks of ``found`` and of its enclosing equations."""
+  for eqn in closed.jaxpr.eqns:
+    found = _find_inside(eqn, pred, ())
+    if found is not None:
+      return eqn, found
+  return None
+
+
+def _find_inside(eqn, pred, outer: tuple) -> Optional[Any]:
+  outer = outer + _i.eqn_transforms(eqn)
+  for sub in jaxprs_in_params(eqn.params):
+    for e in getattr(sub, "jaxpr", sub).eqns:
+      if pred(e, outer + _i.eqn_transforms(e)):
+        return e
+      found = _find_inside(e, pred, outer)
+      if found is not None:
+        return found
+  return None
+
+
 def keep_name(fn, like):
   """``fn`` under the name (and docs) of ``like``: JAX prints rule names."""
   return functools.update_wrapper(fn, like) if isinstance(

@@ -40,6 +40,9 @@ class RuleEnv(Protocol):
   """``[n]``: the next block-format matmul's place (its random key)."""
   inserted: int
   """How many casts the environment has made (for `explain`)."""
+  int8: Any
+  """What an export tells the int8 matmuls (`int8_matmul.Weights`), else
+  ``None``."""
 
   def cast(self, x, dtype):
     """``x`` as ``dtype``, made at most once per (value, dtype)."""
@@ -122,10 +125,10 @@ class Op:
       dtypes unless ``ran_in`` says otherwise).
     names: the scope names it was traced under, markers included.
     op_class: the class the table gives it, or `AS_WRITTEN`.
-    policy: the governing policy, as elementwise ops see it (a float8
-      policy's elementwise dtype is bfloat16); ``None`` if none governs or
-      inside `full_precision()`.
-    fp8_dtype: the float8 dtype of a float8 policy, else ``None``.
+    policy: the governing policy; ``None`` if none governs or inside
+      `full_precision()`.
+    matmul_format: that policy's `Policy.matmul_format` (``None`` if none
+      governs).
     rule, why, ran_in: what the rule decided, for `explain` (``ran_in`` is
       set where the op runs in another dtype than its arguments).
     note: what a rule that declined adds to the reason of the rule that ran.
@@ -140,7 +143,7 @@ class Op:
   names: tuple[str, ...] = ()
   op_class: Optional[str] = None
   policy: Optional[policy_lib.Policy] = None
-  fp8_dtype: Optional[np.dtype] = None
+  matmul_format: Optional[str] = None
   rule: str = "inputs"
   why: str = "no rule: runs in its inputs' dtype"
   ran_in: Optional[str] = None

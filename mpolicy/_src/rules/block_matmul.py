@@ -4,8 +4,8 @@ The matmuls the float8 placement admits (`fp8_placement.admit`) run with
 both operands fake-quantized in blocks along the contracting dimension
 (`blocks.quantize.fake_quantize`: the block format's exact values, held in
 float32), multiplied with float32 accumulation, and rounded to the result
-dtype (bfloat16). This is the emulation; no backend's native block-scaled
-matmul is asked for yet.
+dtype (bfloat16). On CUDA, where the device has one, the native
+block-scaled dot multiplies the same quantized operands (`blocks.native`).
 
 The backward matmuls quantize their own operands along their own
 contracting dimension, from the unquantized values (the cotangent and the
@@ -56,12 +56,8 @@ REASON = {
 
 
 def format_of_op(op) -> Optional[formats.BlockFormat]:
-  """The block format of the policy governing ``op``, else ``None``."""
-  region = op.region
-  if region is None or region.policy is None:
-    return None
-  compute = region.policy.compute_dtype
-  return compute if isinstance(compute, formats.BlockFormat) else None
+  """The block format the policy governing ``op`` names, else ``None``."""
+  return formats.FORMATS.get(op.matmul_format)
 
 
 def reason(fmt: formats.BlockFormat, options=None) -> str:
@@ -91,7 +87,6 @@ class BlockConfig(NamedTuple):
   rhs_tiles: bool = False
   sr: bool = False  # Stochastic rounding of the cotangent.
   hadamard: bool = False  # Random Hadamard rotation of the wgrad operands.
-  native: bool = False  # Ask for the native block-scaled dot on CUDA.
   label: Optional[str] = None  # `observe.quantization_site`'s.
 
 
@@ -101,7 +96,6 @@ def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
   (``x_key``/``y_key``: stochastic rounding), float32: emulated, or on CUDA
   the native block-scaled dot of the same quantized operands. ``roles``:
   what each operand is told to observers as (``None``: not told)."""
-  nb = 1 if config.batched else 0
   for role, v, axis, tiles in ((roles[0], x, -1, x_tiles),
                                (roles[1], y, -2, y_tiles)):
     if role is not None:
@@ -109,18 +103,7 @@ def _mm(x, y, config: BlockConfig, x_tiles: bool = False,
           role, config.fmt, v, axis=axis, two_d=tiles))
   qx = quantize.quantize_blocks(x, config.fmt, -1, two_d=x_tiles, key=x_key)
   qy = quantize.quantize_blocks(y, config.fmt, -2, two_d=y_tiles, key=y_key)
-  emulated = _dot(quantize.dequantize_blocks(qx),
-                  quantize.dequantize_blocks(qy), ((nb + 1,), (nb,)),
-                  config.batched)
-  use = config.native and x.shape[-1] % qx.fmt.block_size == 0
-  return native.matmul(qx, qy, config.batched, emulated, use)
-
-
-def _dot(a, b, contract, batched):
-  batch = ((0,), (0,)) if batched else ((), ())
-  return lax.dot_general(a, b, (contract, batch),
-                         precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+  return native.matmul(qx, qy, config.batched)
 
 
 def _t(x):
@@ -205,10 +188,16 @@ def config_for(fmt: formats.BlockFormat, lhs, rhs, batched: bool, out_dtype,
   return BlockConfig(fmt.name, batched, np.dtype(out_dtype),
                      np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                      tiles and lhs_param, tiles and rhs_param,
-                     sr and recipe_fmt, hadamard and recipe_fmt,
-                     native.usable(fmt.name, 0, fmt.block_size), label)
+                     sr and recipe_fmt, hadamard and recipe_fmt, label=label)
 
 
 RECIPE_FORMATS = ("mxfp4", "nvfp4")
 """The formats the NVFP4 recipe's stochastic rounding and Hadamard
 rotation apply to (mxfp8 rounds to nearest and rotates nothing)."""
+
+
+def draws(fmt: formats.BlockFormat, options) -> bool:
+  """Whether a ``fmt`` matmul under ``options`` draws random numbers
+  (stochastic rounding or the Hadamard signs), so that its key matters."""
+  return fmt.name in RECIPE_FORMATS and (
+      options.stochastic_rounding or options.hadamard)

@@ -74,7 +74,8 @@ def _lower(op: base.Op) -> list:
   # its third, are integers).
   all_float = len(op.args) >= 2 and all(
       dtypes.float_value(a) for a in op.args[:2])
-  if op.fp8_dtype is not None and family.lower_fp8 is not None and all_float:
+  if (op.matmul_format is not None and family.lower_fp8 is not None
+      and all_float):
     outs = family.lower_fp8(op)
     if outs is not None:
       return outs

@@ -23,6 +23,12 @@ a weight shard; its transpose is a reduce-scatter of the gradient) and a
 ``psum`` of the gradient). Under ``sum_dtype`` each runs forward as
 written, inside a `jax.custom_vjp` whose backward is that transpose in
 ``sum_dtype``.
+
+The gradient helpers (`make_train_step`, `scaled_value_and_grad` with an
+``axis_name``) differentiate inside `gradient_sums_in` their
+``reduce_dtype``: there those transposes (and a ``psum``'s, a ``psum``
+where JAX's types do not make it a ``pvary``) sum in the wider of the
+table's ``sum_dtype`` and ``reduce_dtype``, even as written.
 """
 
 from __future__ import annotations
@@ -46,13 +52,37 @@ from mpolicy._src.rules import fp8_mesh
 SUMS = ("psum", "psum_invariant", "reduce_scatter")
 
 
-def _wider(op: base.Op) -> tuple[Optional[np.dtype], list, list]:
+# The dtype (its name) the gradient helpers ask the sums of the backward
+# pass to run in while they differentiate: part of every jit cache key.
+_GRADIENT_SUMS = jax.make_user_context(default_value=None)
+
+
+def gradient_sums_in(dtype):
+  """A block (a context manager) in which the transposes of amp-ed
+  collectives sum in ``dtype`` at least (``None``: as the table says)."""
+  return _GRADIENT_SUMS(None if dtype is None else np.dtype(dtype).name)
+
+
+def _asked(op: base.Op, backward: bool) -> Optional[np.dtype]:
+  """The sum dtype asked of ``op``'s sum (``backward``: of its
+  transpose's): the table's, and in the backward pass the gradient
+  helpers' too (the wider)."""
+  asked = [] if op.op_class == base.AS_WRITTEN else [
+      op.rules.collective_sum_dtype]
+  if backward:
+    asked.append(_GRADIENT_SUMS.value)
+  asked = [np.dtype(d) for d in asked if d is not None]
+  return max(asked, key=lambda d: d.itemsize) if asked else None
+
+
+def _wider(op: base.Op, backward: bool = False
+           ) -> tuple[Optional[np.dtype], list, list]:
   """``(sum_dtype, operand dtypes, the dtype each operand is summed in)``;
   ``sum_dtype`` is ``None`` where nothing is asked or no floating operand
   is narrower."""
-  wide = op.rules.collective_sum_dtype
+  wide = _asked(op, backward)
   narrow = [dtypes.dtype_of(a) for a in op.args]
-  if wide is None or op.op_class == base.AS_WRITTEN:
+  if wide is None:
     return None, narrow, narrow
   widen = [wide if dtypes.is_float(d) and d.itemsize < wide.itemsize else d
            for d in narrow]
@@ -64,7 +94,8 @@ def _sum_in(op: base.Op) -> Optional[list]:
   where nothing is asked or nothing is narrower."""
   wide, narrow, widen = _wider(op)
   if wide is None:
-    return None
+    # A psum's transpose is a psum (pmap, check_vma=False).
+    return _summed_back_in(op) if op.eqn.primitive.name == "psum" else None
   args = [base.cast_as_traced(op.env, a, d) for a, d in zip(op.args, widen)]
   outs = base.bind(op.eqn, args)
   op.args = args
@@ -80,7 +111,7 @@ facts.register(SUMS, special=_sum_in)
 
 def _summed_back_in(op: base.Op) -> Optional[list]:
   """The collective as written, its transpose (a sum) in ``sum_dtype``."""
-  wide, narrow, widen = _wider(op)
+  wide, narrow, widen = _wider(op, backward=True)
   if wide is None:
     return None
   eqn = op.eqn
@@ -109,7 +140,8 @@ def _summed_back_in(op: base.Op) -> Optional[list]:
   collective.defvjp(fwd, bwd)
   op.rule = "as written"
   op.why = (f"runs as written; its transpose sums across devices in "
-            f"{wide.name} (OpRules.with_collectives)")
+            f"{wide.name} (OpRules.with_collectives, or the gradient "
+            "helpers' reduce_dtype)")
   return list(collective(*op.args))
 
 

@@ -40,6 +40,7 @@ from mpolicy._src.rules import collectives
 from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_scaling
+from mpolicy._src.rules import int8_matmul
 
 amp_conv_general_dilated_p = jax_compat.new_primitive("amp_conv_general_dilated")
 
@@ -329,7 +330,10 @@ def _conv_sizes(eqn) -> tuple[int, int, int]:
 def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   """The float8 convolution, where `fp8_placement.admit` lets it run."""
   name = fp8_placement.low_precision_name(op)
-  if name != op.fp8_dtype.name:  # type: ignore[union-attr]  # Set for float8 ops.
+  if op.matmul_format == "int8":
+    return int8_matmul.decline(op, "is a convolution: int8 covers matmuls "
+                               "(dot_general)")
+  if op.matmul_format != "fp8":
     op.note = (f", not {name}: block formats cover matmuls (dot_general), "
                "not convolutions")
     return None

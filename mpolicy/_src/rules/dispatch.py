@@ -66,14 +66,10 @@ def run(env: base.RuleEnv, eqn, invals, rules: base.RuleTable,
     op.why = (f"policy {region.policy} from {region.decided_by} computes in "
               f"{np.dtype(region.policy.compute_dtype).name}: no op rule "
               "applies, runs as written")
-  if policy is not None and policy_lib.is_fp8(policy.compute_dtype):
-    # Matmuls and convolutions may go to float8 (their family decides);
-    # everything else runs as under the policy's elementwise (bfloat16)
-    # compute dtype.
-    op.fp8_dtype = np.dtype(policy.compute_dtype)
-    policy = policy_lib.Policy(policy.param_dtype,
-                               policy_lib.elementwise_dtype(policy),
-                               policy.output_dtype)
+  if policy is not None:
+    # Matmuls and convolutions may go to the format (their family decides);
+    # everything else computes in the policy's compute dtype.
+    op.matmul_format = policy.matmul_format
   op.policy = policy
   facts = op.facts
 
@@ -208,8 +204,7 @@ def _wide_policy(policy: Optional[policy_lib.Policy]) -> bool:
   it governs, the code runs as written."""
   if policy is None:
     return False
-  compute = np.dtype(policy.compute_dtype)
-  return not dtypes.is_half(compute) and not policy_lib.is_fp8(compute)
+  return not dtypes.is_half(policy.compute_dtype)
 
 
 def _decision(op: base.Op, invals, outs, names, casts: int) -> observe.Decision:

@@ -24,7 +24,7 @@ import numpy as np
 
 from mpolicy._src import jax_compat
 from mpolicy._src import observe
-from mpolicy._src.blocks import formats
+from mpolicy._src import policy as policy_lib
 from mpolicy._src.rules import base
 from mpolicy._src.rules import facts
 
@@ -172,11 +172,10 @@ def _size_text(size: int) -> str:
 
 
 def low_precision_name(op) -> str:
-  """What the op's low precision is called in `explain`: the block format
-  (``mxfp8``, ...) under one, else the float8 dtype's name."""
-  policy = None if op.region is None else op.region.policy
-  name = None if policy is None else formats.format_of(policy.compute_dtype)
-  return name or op.fp8_dtype.name
+  """What the op's low precision is called in `explain`: its matmul format
+  (``mxfp8``, ...), ``float8_e4m3fn`` for ``fp8``."""
+  return (policy_lib.FP8_COMPUTE.name if op.matmul_format == "fp8"
+          else op.matmul_format)
 
 
 def declines(op, options: Fp8Options, dims: tuple[int, ...],

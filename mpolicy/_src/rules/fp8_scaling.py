@@ -1,6 +1,6 @@
 """Float8 current scaling: scales computed in the step from the operands.
 
-Under a policy whose compute dtype is float8 (``c=f8``), the matmul and
+Under a policy whose matmul format is ``fp8`` (``c=f8``), the matmul and
 convolution families run their ops in float8 (`matmul`, `conv`). Each
 operand is quantized with a scale computed from the operand itself::
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpolicy._src import jax_compat
+from mpolicy._src import observe
 from mpolicy._src.blocks import formats as block_formats
 from mpolicy._src.blocks import recipe
 from mpolicy._src.rules import amp_primitive
@@ -48,6 +49,7 @@ from mpolicy._src.rules import facts
 from mpolicy._src.rules import fp8_mesh
 from mpolicy._src.rules import fp8_placement
 from mpolicy._src.rules import fp8_scaling
+from mpolicy._src.rules import int8_matmul
 
 amp_dot_general_p = jax_compat.new_primitive("amp_dot_general")
 
@@ -528,10 +530,13 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   """The float8 matmul, where `fp8_placement.admit` lets it run (not for a
   dot that names a reduction order: scaled float8 products sum as the
   format's kernel does, so it runs as under bfloat16, keeping the order)."""
+  if op.matmul_format == "int8":
+    return int8_matmul.lower(op, _dot_sizes(op.eqn), functools.partial(
+        amp_dot_general, compute_dtype=jnp.bfloat16))
   if jax_compat.reduction_order(op.eqn) is not None:
     return None
-  options = op.rules.fp8
   fmt = block_matmul.format_of_op(op)
+  options = op.rules.fp8
   admitted = fp8_placement.admit(
       op, "dot", _dot_sizes(op.eqn),
       FP8_REASON.format(_SCALING_TEXT[options.scaling]) if fmt is None
@@ -543,7 +548,9 @@ def _lower_dot_fp8(op: base.Op) -> Optional[list]:
   if fmt is not None:
     op.env.places[0] += 1
     key = recipe.op_key(options.seed, op.env.places[0] - 1,
-                        recipe.current_step(), recipe.current_iterations())
+                        op.env.step, recipe.current_iterations())
+    if op.env.step is None and block_matmul.draws(fmt, options):
+      observe.drew_without_step()
     return [block_dot_general(lhs, rhs, dimension_numbers, fmt,
                               out_dtype=out_dtype,
                               lhs_param=op.env.is_param(lhs),

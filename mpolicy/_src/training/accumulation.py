@@ -192,6 +192,8 @@ class _Plan:
     self.weighted = _weighted(fun, loss_reduction, has_aux)
     self.grad = scaling.scaled_gradient(self.weighted, 0, True,
                                         unscale_in=_acc_dtype)
+    if axis_name is not None:  # JAX's sums in the backward pass too.
+      self.grad = distributed.summed_in(self.grad, reduce_dtype, where)
     self.k, self.has_state, self.n_state = k, has_state, int(has_state)
     self.batch_argnums, self.arg_names = batch_argnums, arg_names
     self.loss_reduction, self.axis_name = loss_reduction, axis_name

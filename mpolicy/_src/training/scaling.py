@@ -162,6 +162,8 @@ def _device_mean(fun, argnums, has_aux, grad_dtype, axis_name, reduce_dtype):
   """`attempt(loss_scale, *args) -> (grads, loss, aux)`: the scaled gradient
   of the whole batch, averaged over `axis_name` in `reduce_dtype`."""
   grad = scaled_gradient(fun, argnums, has_aux, grad_dtype=grad_dtype)
+  if axis_name is not None:  # JAX's sums in the backward pass too.
+    grad = distributed.summed_in(grad, reduce_dtype, "scaled_value_and_grad")
 
   def attempt(loss_scale, *args, **kwargs):
     # Replicated params' gradients stay per device, to be summed in
@@ -294,8 +296,10 @@ def scaled_value_and_grad(
   replicated over before `fun` runs, so JAX's AD leaves their gradients per
   device (it would sum them in their own dtype) and they are summed here in
   `reduce_dtype`; over a data axis a parameter is sharded over (FSDP),
-  JAX's AD sums (the reduce-scatter of the `all_gather`, in the gradient's
-  dtype). The sum is divided by the number of data-parallel devices: the
+  JAX's AD sums (the reduce-scatter of the `all_gather`), in
+  `reduce_dtype` too: collectives run by `amp` transpose in it wherever
+  they are, and the backward sums at the loss's own level (a plain
+  `all_gather` around the amp-ed model) are cast to it. The sum is divided by the number of data-parallel devices: the
   result is the gradient of the loss averaged over the data axes in every
   mode, never averaged across a parameter's shards. The finiteness flag is
   agreed over every bound axis.
@@ -342,8 +346,8 @@ def scaled_value_and_grad(
       devices in (float32 by default, so a sum of half gradients neither
       overflows nor loses bits; `jnp.bfloat16` halves the traffic); pass
       `policy.param_dtype` to follow a policy, None for each leaf's dtype.
-      An FSDP reduce-scatter that JAX derives from an `all_gather` in `fun`
-      runs in the gradient's dtype.
+      With `axis_name`, it holds for the sums JAX's AD derives in the
+      backward pass too (FSDP's reduce-scatter; see above).
     grad_dtype: dtype to return the real floating gradients in; None keeps
       each leaf's own dtype. float32 keeps tiny unscaled gradients of
       float16 params from underflowing (see `master_weights`).
@@ -367,6 +371,10 @@ def scaled_value_and_grad(
       names `loss_scale` and the classes), if `fun` returns a non-scalar
       or non-floating loss, or if a leaf of a differentiated argument is not
       floating point (the message names each offending leaf).
+    ValueError: when traced, if a backward sum narrower than
+      `reduce_dtype` lies inside a `jit`, `scan` or other construct of
+      `fun` that `amp` did not run (the message names the construct and
+      what works).
 
   >>> import jax.numpy as jnp, mpolicy
   >>> loss_fn = lambda w, x: jnp.sum((w * x) ** 2)

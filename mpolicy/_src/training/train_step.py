@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpolicy._src import amp
 from mpolicy._src import arguments
 from mpolicy._src import distributed
 from mpolicy._src import loss_scale as loss_scale_lib
-from mpolicy._src.blocks import recipe
+from mpolicy._src import observe
 from mpolicy._src.training import accumulation
 from mpolicy._src.training import attribution
 from mpolicy._src.training import half_params
@@ -143,7 +144,12 @@ def make_train_step(
     loss_fn: `loss_fn(params, *args)` returns the loss (`(loss, aux)` with
       `has_aux`). With `has_state`, `loss_fn(params, model_state, *args)`
       returns `(loss, new_model_state)` (`((loss, aux), new_model_state)`
-      with `has_aux`).
+      with `has_aux`). The optimizer's step count reaches the keys of
+      block matmuls that draw random numbers (the NVFP4 recipe): an
+      `amp`-ed `loss_fn` is called as `loss_fn.at_step(count)`; a
+      `loss_fn` with a keyword-only `step` parameter gets `step=count`
+      (to call its models as `model.apply.at_step(step)`); any other
+      `loss_fn` whose models draw random numbers gets a warning.
     optimizer: any optax optimizer; it needs no `skip_nonfinite`.
     has_aux: whether `loss_fn` returns auxiliary outputs.
     has_state: whether the model has state not trained by gradients
@@ -152,8 +158,10 @@ def make_train_step(
       non-finite step it comes back bit for bit.
     axis_name, reduce_dtype, grad_dtype, max_retries: passed to
       `scaled_value_and_grad`; `axis_name` names the data axes only.
-      `reduce_dtype` (float32 by default) passed without `axis_name` does
-      nothing and warns.
+      `reduce_dtype` (float32 by default) holds for the sums JAX's AD
+      places in the backward pass too (FSDP's reduce-scatter, see
+      `scaled_value_and_grad`); passed without `axis_name` it does nothing
+      and warns.
     average_state: with `has_state` and `axis_name`, average the floating
       leaves of the new model state (BatchNorm's statistics) over the data
       axes, in float32, so every device keeps the same state (and
@@ -246,22 +254,55 @@ def make_train_step(
   k = microbatches_lib.check_microbatches(microbatches, where)
   batch_argnums = microbatches_lib.check_batch_argnums(batch_argnums, where)
   loss_reduction = accumulation.check_loss_reduction(loss_reduction, where)
-  fun = _with_state_as_aux(loss_fn, has_aux) if has_state else loss_fn
   grad_options = dict(
       has_aux=has_aux or has_state, axis_name=axis_name,
       reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
       max_retries=max_retries, attribute_overflow=attribute_overflow)
-  if k == 1 and loss_reduction == accumulation.MEAN:
-    grad_fn = scaling.scaled_value_and_grad(fun, **grad_options)
-  else:
-    grad_fn = accumulation.accumulated_value_and_grad(
+
+  def grad_for(fun):
+    fun = _with_state_as_aux(fun, has_aux) if has_state else fun
+    if k == 1 and loss_reduction == accumulation.MEAN:
+      return scaling.scaled_value_and_grad(fun, **grad_options)
+    return accumulation.accumulated_value_and_grad(
         fun, k, has_state=has_state, batch_argnums=batch_argnums,
         arg_names=microbatches_lib.arg_names(loss_fn, 1),
         loss_reduction=loss_reduction, **grad_options)
+
+  grad_fn = grad_for(loss_fn)
+
+  def grad_at(step):
+    """The gradient of ``loss_fn`` called at ``step`` (`amp.with_step`)."""
+    stepped = amp.with_step(loss_fn, step)
+    if stepped is not loss_fn:
+      return grad_for(stepped)
+    return grad_fn if step is None else _warning_if_unstepped(grad_fn)
+
   if not has_state:
-    return _step(grad_fn, optimizer)
+    return _step(grad_at, optimizer)
   average_over = axis_name if average_state else None
-  return _step_with_state(grad_fn, optimizer, has_aux, average_over)
+  return _step_with_state(grad_at, optimizer, has_aux, average_over)
+
+
+def _warning_if_unstepped(grad_fn):
+  """``grad_fn``, warning where the loss it traces runs random block
+  matmuls (the NVFP4 recipe) that the step count does not reach: a loss
+  that calls an `amp`-ed model inside, without a ``step`` parameter."""
+
+  def run(*args, **kwargs):
+    before = observe.unstepped()
+    out = grad_fn(*args, **kwargs)
+    if observe.unstepped() > before:
+      warnings.warn(
+          "make_train_step: loss_fn calls an amp-ed function whose block "
+          "matmuls draw random numbers (stochastic rounding or the Hadamard "
+          "transform), but the step count does not reach them: they draw the "
+          "same numbers at every step. Give loss_fn a keyword-only `step` "
+          "parameter (def loss_fn(params, batch, *, step)) and call the model "
+          "as model.at_step(step)(...) (model.apply.at_step(step) for "
+          "transform_amp), or pass an amp-ed loss_fn.", stacklevel=3)
+    return out
+
+  return run
 
 
 def _warn_if_ignored(reduce_dtype, average_state, axis_name, has_state):
@@ -304,16 +345,16 @@ def step_count(opt_state: Any) -> Any:
   return None
 
 
-def _step(grad_fn, optimizer):
-  """The step of a model without state."""
+def _step(grad_at, optimizer):
+  """The step of a model without state; ``grad_at(step)`` its gradient."""
 
   def step(params, opt_state, loss_scale, *args, **kwargs):
     loss_scale_lib.require_loss_scale(
         loss_scale, "make_train_step",
         "step(params, opt_state, loss_scale, *args)")
-    with recipe.step_count(step_count(opt_state)):  # The block formats' keys.
-      new_loss_scale, finite, value, grads, *flags = grad_fn(
-          loss_scale, params, *args, **kwargs)
+    grad_fn = grad_at(step_count(opt_state))  # The block formats' keys.
+    new_loss_scale, finite, value, grads, *flags = grad_fn(
+        loss_scale, params, *args, **kwargs)
     new_params, new_opt_state = skipping.update_if_finite(
         optimizer, grads, opt_state, params, finite)
     return TrainStepResult(new_params, new_opt_state, new_loss_scale,
@@ -340,7 +381,7 @@ def _with_state_as_aux(loss_fn, has_aux):
   return loss_with_state
 
 
-def _step_with_state(grad_fn, optimizer, has_aux, average_over):
+def _step_with_state(grad_at, optimizer, has_aux, average_over):
   """The step of a model with state; `average_over` is None or the data axes
   to average the new state over."""
 
@@ -349,9 +390,9 @@ def _step_with_state(grad_fn, optimizer, has_aux, average_over):
     loss_scale_lib.require_loss_scale(
         loss_scale, "make_train_step(has_state=True)",
         "step(params, model_state, opt_state, loss_scale, *args)")
-    with recipe.step_count(step_count(opt_state)):  # The block formats' keys.
-      new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
-          grad_fn(loss_scale, params, model_state, *args, **kwargs))
+    grad_fn = grad_at(step_count(opt_state))  # The block formats' keys.
+    new_loss_scale, finite, (loss, (aux, new_model_state)), grads, *flags = (
+        grad_fn(loss_scale, params, model_state, *args, **kwargs))
     value = (loss, aux) if has_aux else loss
     if average_over is not None:
       new_model_state = distributed.average_value(
