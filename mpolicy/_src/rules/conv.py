@@ -331,8 +331,9 @@ def _lower_conv_fp8(op: base.Op) -> Optional[list]:
   """The float8 convolution, where `fp8_placement.admit` lets it run."""
   name = fp8_placement.low_precision_name(op)
   if op.matmul_format == "int8":
-    return int8_matmul.decline(op, "is a convolution: int8 covers matmuls "
-                               "(dot_general)")
+    int8_matmul.decline(op, "is a convolution: int8 covers matmuls "
+                        "(dot_general)")
+    return None
   if op.matmul_format != "fp8":
     op.note = (f", not {name}: block formats cover matmuls (dot_general), "
                "not convolutions")

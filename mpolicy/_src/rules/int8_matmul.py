@@ -102,9 +102,9 @@ def lower(op: base.Op, sizes: tuple[int, ...],
   backward pass's matmul."""
   order = jax_compat.reduction_order(op.eqn)
   if order is not None:
-    return decline(op, f"names reduction_order={order!r}, which int8's exact "
-                   "int32 sums have no use for; it runs in bfloat16, its "
-                   "order kept")
+    decline(op, f"names reduction_order={order!r}, which int8's exact "
+            "int32 sums have no use for; it runs in bfloat16, its order kept")
+    return None
   dims, precision = jax_compat.dot_params(op.eqn)
   admitted = fp8_placement.admit(op, "dot", sizes, REASON)
   if admitted is None:
