@@ -332,7 +332,7 @@ def _ratio(cell: str) -> float:
   return value
 
 
-@pytest.mark.ci  # Trains six tiny models and exports three: ~2 min on 2 cores.
+@pytest.mark.slow  # Trains six tiny models and exports three: ~2 min on 2 cores.
 def test_int8_benchmark_prints_every_table_with_positive_ratios():
   proc = _run("bench_int8.py", "--seeds=0", "--digits_steps=5",
               "--char_steps=2", "--d_model=16", "--seq_len=16", "--hidden=16",
