@@ -11,6 +11,7 @@ import sys
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mpolicy
@@ -313,3 +314,163 @@ def test_collectives_benchmark_prints_both_sums_and_their_ratio():
   assert re.search(r"\| bf16 sum \| [0-9.]+ ms", proc.stdout)
   assert re.search(r"\| f32 sum \| [0-9.]+ ms", proc.stdout)
   assert re.search(r"\| f32 / bf16 \| [0-9.]+x", proc.stdout)
+
+
+def _table(out: str, title: str) -> list[list[str]]:
+  """The body rows of the markdown table under the ``### title`` line."""
+  lines = out.split(f"### {title}", 1)[1].splitlines()
+  end = next((i for i, l in enumerate(lines[1:]) if l.startswith("###")),
+             len(lines))
+  rows = [l for l in lines[1:end + 1] if l.startswith("|")]
+  return [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
+
+
+def _ratio(cell: str) -> float:
+  """``0.27x (0.25-0.31)`` or ``0.284x`` -> the leading ratio."""
+  value = float(cell.split("x", 1)[0])
+  assert 0 < value < float("inf"), cell
+  return value
+
+
+@pytest.mark.slow  # Trains six tiny models and exports three: ~2 min on 2 cores.
+def test_int8_benchmark_prints_every_table_with_positive_ratios():
+  proc = _run("bench_int8.py", "--seeds=0", "--digits_steps=5",
+              "--char_steps=2", "--d_model=16", "--seq_len=16", "--hidden=16",
+              "--mlp=32", "--mlp_batch=8", "--repeats=2", "--calls=1",
+              "--matmul_n=32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert out.startswith("jax ") and "CPU " in out and "load average" in out
+  fidelity = _table(out, "Fidelity")
+  assert [r[:2] for r in fidelity] == [
+      [m, v] for m in ("digits CNN", "char transformer")
+      for v in ("float32", "bf16", "int8 QAT", "PTQ (float32 → int8)")]
+  for model, _, metric, mean, *_ in fidelity:
+    low, high = (0, 1) if metric == "test accuracy" else (0, 10)
+    assert low <= float(mean) <= high, (model, mean)
+  sizes = _table(out, "Serving artifact bytes")
+  assert [r[0].split(" (")[0] for r in sizes] == [
+      "digits CNN", "char transformer", "MLP 784-32-10"]
+  for row in sizes:
+    f32_params, int8_params = (int(row[i].replace(",", "")) for i in (2, 4))
+    assert 0 < int8_params < f32_params, row
+    assert _ratio(row[5]) > 0 and row[6] in ("met", "missed")
+  serve = _table(out, "Serving CPU time per batch")
+  assert len(serve) == 4 and serve[-1][0] == "raw matmul 32^3 (reference)"
+  for row in serve:
+    _ratio(row[3])
+    assert "(s8,s8)->s32" in row[5], row  # Every int8 program has int8 dots.
+  steps = _table(out, "Training step CPU time")
+  assert [r[0] for r in steps] == ["char transformer", "MLP"]
+  assert all(_ratio(r[3]) and r[4] in ("met", "missed") for r in steps)
+
+
+def test_int8_benchmark_rejects_unknown_parts_by_name():
+  proc = _run("bench_int8.py", "--parts=bytes,speed", timeout=120)
+  assert proc.returncode != 0
+  assert "--parts must be a comma-separated subset of" in proc.stderr
+
+
+def test_fidelity_counts_matmul_flops_of_dots_and_convolutions():
+  fidelity = _load("fidelity")
+
+  def f(x, w, k):
+    y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(jax.jit(jnp.dot)(y.reshape(2, -1), w))
+
+  x, k = jnp.ones((2, 4, 4, 3)), jnp.ones((3, 3, 3, 5))
+  w = jnp.ones((80, 7))
+  # conv: 2 * (2*4*4*5 outputs) * (3*3*3 taps); dot (in a jit): 2 * 2*80 * 7.
+  assert fidelity.matmul_flops(jax.make_jaxpr(f)(x, w, k).jaxpr) == [
+      2 * 160 * 27, 2 * 160 * 7]
+  amped = mpolicy.amp(f, "p=f32,c=bf16,o=f32")
+  shares = fidelity.flop_shares(
+      "bf16", lambda p, s, x: amped(x, *p), lambda p, s, x: f(x, *p),
+      (w, k), (w, k), {}, x)
+  assert shares == (1.0, 1.0)
+  # Under mxfp8 the convolution stays in bfloat16: low, not the format.
+  amped = mpolicy.amp(f, "p=f32,c=mxfp8,o=f32",
+                      rules=mpolicy.DEFAULT_RULES.with_fp8(min_size=0))
+  low, own = fidelity.flop_shares(
+      "mxfp8", lambda p, s, x: amped(x, *p), lambda p, s, x: f(x, *p),
+      (w, k), (w, k), {}, x)
+  assert low == 1.0 and own == pytest.approx(7 / 34)
+
+
+def test_fidelity_script_runs_and_writes_its_csv_table_and_plot(tmp_path):
+  out, png = tmp_path / "runs.csv", tmp_path / "runs.png"
+  proc = _run("fidelity.py", "--models=co2_mlp", "--formats=f32,bf16",
+              "--seeds=0,1", "--steps=3", f"--csv={out}", f"--plot={png}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = out.read_text().splitlines()
+  assert lines[0] == "model,format,seed,steps,metric,value"
+  cells = [l for l in proc.stdout.splitlines() if l.startswith("CELL ")]
+  assert len(cells) == len(lines) - 1 == 2 * 2 * 5, proc.stdout
+  assert "CELL co2_mlp bf16 1 low_flops=100" in proc.stdout
+  assert "CELL co2_mlp f32 0 low_flops=0" in proc.stdout
+  assert re.search(r"\| co2_mlp \| bf16 \| test_mse \| [0-9.]+ \| [0-9.]+ \| "
+                   r"[-+][0-9.]+ \| (yes|no) \| 100\.0 \| 100\.0 \| 0 \| 2 \|", proc.stdout)
+  assert png.read_bytes()[:4] == b"\x89PNG"
+  again = _run("fidelity.py", f"--from_csv={out}")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "| co2_mlp | bf16 | test_mse |" in again.stdout
+  assert "co2_mlp: mxfp8" not in again.stdout  # No mxfp8 run to compare.
+
+
+@pytest.mark.ci  # Every format on the CO2 MLP: 40 s of CPU.
+def test_fidelity_script_runs_every_format_this_mpolicy_has(tmp_path):
+  fidelity = _load("fidelity")
+  png = tmp_path / "all.png"
+  proc = _run("fidelity.py", "--models=co2_mlp", "--seeds=0", "--steps=2",
+              f"--plot={png}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  formats = fidelity.available()
+  assert {"f32", "f16", "mxfp8", "nvfp4", "adam8"} <= set(formats)
+  for fmt in formats:
+    assert f"| co2_mlp | {fmt} | test_mse | " in proc.stdout, fmt
+  assert re.search(r"CELL co2_mlp f16 0 islands=\d", proc.stdout)
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fidelity_script_rejects_bad_flags_and_a_missing_int8(capsys):
+  fidelity = _load("fidelity")
+  for argv, words in [(["--models=vgg"], "--models must be a comma-separated"),
+                      (["--formats=f32,fp4"], "--formats must be"),
+                      (["--steps=0"], "--steps must be at least 1")]:
+    assert fidelity.main(["fidelity.py"] + argv) == 2, argv
+    assert words in capsys.readouterr().err, argv
+  try:
+    mpolicy.get_policy("c=int8")
+  except ValueError:
+    assert fidelity.main(["fidelity.py", "--formats=int8"]) == 2
+    assert "this mpolicy has no int8" in capsys.readouterr().err
+    assert "int8" not in fidelity.available()
+  else:
+    assert "int8" in fidelity.available()
+
+
+@pytest.mark.slow
+def test_fidelity_page_and_csv_reproduce(tmp_path):
+  """Two runs of docs/fidelity.csv, rerun at its steps, give its values
+  again, and the page's table holds the CSV's means."""
+  fidelity = _load("fidelity")
+  docs = os.path.join(ROOT, "docs")
+  results, _, _, _, (steps,) = fidelity.read_csv(
+      [os.path.join(docs, "fidelity.csv")])
+  out = tmp_path / "again.csv"
+  proc = _run("fidelity.py", "--models=co2_mlp", "--formats=f32,mxfp8",
+              "--seeds=0", f"--steps={steps}", f"--csv={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  again, *_ = fidelity.read_csv([out])
+  for key, metrics in again.items():
+    for name in ("test_mse", "low_flops", "format_flops", "skipped"):
+      assert metrics[name] == pytest.approx(results[key][name], rel=0.02,
+                                            abs=1e-6), (key, name)
+  page = open(os.path.join(docs, "fidelity.md")).read()
+  seeds = sorted({s for (_, _, s) in results})
+  for model, fmt in [("co2_mlp", "f32"), ("char_transformer", "mxfp8")]:
+    metric = "test_mse" if model == "co2_mlp" else "test_loss"
+    mean = np.mean([results[(model, fmt, s)][metric] for s in seeds])
+    assert f"| {model} | {fmt} | {metric} | {mean:.4f} |" in page, (model, fmt)
+  assert f"--steps={steps}" in page

@@ -234,3 +234,27 @@ def test_calling_the_artifact_with_other_shapes_is_refused():
   exported, serving = mpolicy.export_quantized(fn, params, x)
   with pytest.raises(ValueError, match=r"8, 16|shape"):
     exported.call(serving, jnp.ones((4, 16)))
+
+
+def test_a_weight_read_inside_a_checkpoint_stays_float_and_bits_hold():
+  _, params, x = _plain(INT8)
+
+  def f(p, x):  # w2's matmul runs inside a jax.checkpoint (hk.remat's).
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    return jax.checkpoint(lambda h, w: h @ w)(h, p["w2"])
+
+  fn = mpolicy.amp(f, INT8, rules=RULES)
+  exported, serving = mpolicy.export_quantized(fn, params, x)
+  assert serving["w1"]["int8"].dtype == jnp.int8
+  assert serving["w2"] is params["w2"]
+  assert _bits(exported.call(serving, x)) == _bits(jax.jit(fn)(params, x))
+
+
+@pytest.mark.parametrize("wrap", [jax.checkpoint, jax.jit])
+def test_weights_read_only_inside_a_sub_computation_are_refused_by_name(wrap):
+  _, params, x = _plain(INT8)
+  fn = mpolicy.amp(lambda p, x: wrap(lambda p, x: x @ p["w1"])(p, x), INT8,
+                   rules=RULES)
+  with pytest.raises(ValueError, match=r"inside a sub-computation \(hk.remat"
+                     r".*export the same model built without them"):
+    mpolicy.export_quantized(fn, params, x)

@@ -83,7 +83,10 @@ def export_quantized(fn: Callable[..., Any], params: Any,
   parameter leaves read only by int8 matmuls (each through the same
   contracting axes) are quantized once, per output channel, as the int8
   matmul quantizes them, and stored as ``{"int8": q, "scale": s}`` in
-  ``serving_params``; every other leaf is stored as in ``params``. The
+  ``serving_params``; every other leaf is stored as in ``params``, among
+  them a weight ``fn`` reads only inside a sub-computation (``hk.remat``,
+  `jax.checkpoint`, `jax.jit`, a scan), quantized in the program as in
+  training. The
   exported program reads the stored codes instead of quantizing the
   weights, and computes everything else as ``fn`` does, so
   ``exported.call(serving_params, *args)`` equals
@@ -130,8 +133,11 @@ def export_quantized(fn: Callable[..., Any], params: Any,
         "(only those are stored in int8). Is fn amp-ed under a c=int8 policy "
         "(e.g. 'p=f32,c=int8,o=f32', or set_policy on its dense layers), "
         "and are its matmuls above the size threshold "
-        "(OpRules.with_fp8(min_size=0) admits all)? mpolicy.explain(fn, "
-        "params, *args) shows where each matmul ran.")
+        "(OpRules.with_fp8(min_size=0) admits all)? Does fn read its "
+        "weights inside a sub-computation (hk.remat, jax.checkpoint, "
+        "jax.jit, a scan)? Only weights fn itself reads are found: export "
+        "the same model built without them (its params are the same). "
+        "mpolicy.explain(fn, params, *args) shows where each matmul ran.")
   leaves, treedef = jax.tree_util.tree_flatten(params)
   stored = list(leaves)
   for i, axes in found.items():

@@ -38,6 +38,11 @@ class RuleEnv(Protocol):
   """Variables read only by ``full`` ops (they keep float32 results)."""
   places: list
   """``[n]``: the next block-format matmul's place (its random key)."""
+  step: Any
+  """The training step folded into block matmuls' keys, or ``None``."""
+  iterations: tuple
+  """The iterations of the loops around (a scan's, a microbatch's),
+  outermost first, folded into block matmuls' keys after the step."""
   inserted: int
   """How many casts the environment has made (for `explain`)."""
   int8: Any

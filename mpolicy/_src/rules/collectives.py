@@ -71,8 +71,8 @@ def _asked(op: base.Op, backward: bool) -> Optional[np.dtype]:
       op.rules.collective_sum_dtype]
   if backward:
     asked.append(_GRADIENT_SUMS.value)
-  asked = [np.dtype(d) for d in asked if d is not None]
-  return max(asked, key=lambda d: d.itemsize) if asked else None
+  dtypes = [np.dtype(d) for d in asked if d is not None]
+  return max(dtypes, key=lambda d: d.itemsize) if dtypes else None
 
 
 def _wider(op: base.Op, backward: bool = False

@@ -94,9 +94,8 @@ def decline(op: base.Op, why: str) -> None:
 
 def keep_order(op: base.Op, order) -> None:
   """A dot naming a reduction order runs as under bfloat16, saying so."""
-  return decline(op, f"names reduction_order={order!r}, which int8's exact "
-                 "int32 sums have no use for; it runs in bfloat16, its "
-                 "order kept")
+  decline(op, f"names reduction_order={order!r}, which int8's exact "
+          "int32 sums have no use for; it runs in bfloat16, its order kept")
 
 
 def given(op: base.Op, lhs, rhs, dims, label):
