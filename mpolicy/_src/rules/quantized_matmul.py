@@ -323,7 +323,7 @@ class Int8(Format):
     return int8_matmul.REASON
 
   def keep_order(self, op: base.Op, order) -> None:
-    return int8_matmul.keep_order(op, order)
+    int8_matmul.keep_order(op, order)
 
   def declines_convolution(self, op: base.Op) -> bool:
     int8_matmul.decline(op, "is a convolution: int8 covers matmuls "
@@ -471,7 +471,8 @@ def lower(op: base.Op, sizes: tuple[int, ...], bf16_dot) -> Optional[list]:
   fmt = format_of(op)
   order = jax_compat.reduction_order(op.eqn)
   if order is not None:
-    return fmt.keep_order(op, order)
+    fmt.keep_order(op, order)
+    return None
   dims, precision = jax_compat.dot_params(op.eqn)
   options = op.rules.fp8
   admitted = fp8_placement.admit(op, "dot", sizes, fmt.reason(options),
