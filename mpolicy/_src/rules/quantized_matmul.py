@@ -446,7 +446,9 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, fmt: Format, *,
 
 def format_of(op: base.Op) -> Format:
   """The format value of the policy governing ``op``, decided once."""
-  return lookup(op.matmul_format, op.rules.fp8.scaling)
+  name = op.matmul_format
+  assert name is not None, "only ops under a matmul format have a value"
+  return lookup(name, op.rules.fp8.scaling)
 
 
 def _key(op: base.Op, fmt: Format, options):
