@@ -418,7 +418,7 @@ def test_fidelity_script_runs_and_writes_its_csv_table_and_plot(tmp_path):
   assert "co2_mlp: mxfp8" not in again.stdout  # No mxfp8 run to compare.
 
 
-@pytest.mark.ci  # Every format on the CO2 MLP: 40 s of CPU.
+@pytest.mark.slow  # Every format on the CO2 MLP: 40 s of CPU (benchmark smoke).
 def test_fidelity_script_runs_every_format_this_mpolicy_has(tmp_path):
   fidelity = _load("fidelity")
   png = tmp_path / "all.png"
